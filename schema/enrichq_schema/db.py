@@ -1,0 +1,133 @@
+"""Database access shared by every process: URLs, engines, the embedded fallback, migrations."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import sqlalchemy as sa
+from sqlalchemy.engine import URL, make_url
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_DATABASE = "enrichq"
+MIGRATIONS = Path(__file__).parent / "migrations"
+
+
+def normalize_url(url: str | URL) -> URL:
+    """Use psycopg 3 for every ``postgresql://`` URL, whatever driver it names or omits."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "postgresql" and parsed.get_driver_name() != "psycopg":
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed
+
+
+def redact(url: str | URL) -> str:
+    """The URL with its password hidden, for logs and messages."""
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def create_engine(
+    url: str | URL,
+    *,
+    application_name: str = "enrichq",
+    pool_size: int = 5,
+    statement_timeout_seconds: float | None = None,
+    isolation_level: str | None = None,
+) -> sa.Engine:
+    """An engine whose pool checks connections before use, so a restarted server is survived."""
+    parsed = normalize_url(url)
+    options: list[str] = []
+    if statement_timeout_seconds is not None:
+        options.append(f"-c statement_timeout={int(statement_timeout_seconds * 1000)}")
+    connect_args: dict[str, object] = {"application_name": application_name}
+    if options:
+        connect_args["options"] = " ".join(options)
+    kwargs: dict[str, object] = {}
+    if isolation_level is not None:
+        kwargs["isolation_level"] = isolation_level
+    return sa.create_engine(
+        parsed,
+        pool_pre_ping=True,
+        pool_size=pool_size,
+        max_overflow=pool_size,
+        pool_recycle=1800,
+        connect_args=connect_args,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+_embedded_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def database_url(configured: str | None) -> Iterator[str]:
+    """The configured URL, or an embedded PostgreSQL started for the life of the block."""
+    if configured:
+        yield normalize_url(configured).render_as_string(hide_password=False)
+        return
+    from enrichq_schema.embedded import EmbeddedPostgres, default_data_dir
+
+    with _embedded_lock:
+        server = EmbeddedPostgres(default_data_dir())
+        admin_url = server.start()
+    try:
+        url = ensure_database(admin_url, EMBEDDED_DATABASE)
+        log.info("using the embedded PostgreSQL at %s", redact(url))
+        yield url
+    finally:
+        server.stop()
+
+
+def ensure_database(admin_url: str, name: str) -> str:
+    """Create database `name` on the server of `admin_url` unless it exists; its URL."""
+    engine = create_engine(admin_url, isolation_level="AUTOCOMMIT", pool_size=1)
+    try:
+        with engine.connect() as conn:
+            exists = conn.execute(
+                sa.text("SELECT 1 FROM pg_database WHERE datname = :name"), {"name": name}
+            ).scalar()
+            if not exists:
+                ident = conn.dialect.identifier_preparer.quote(name)
+                conn.execute(sa.text(f"CREATE DATABASE {ident}"))
+    finally:
+        engine.dispose()
+    return normalize_url(admin_url).set(database=name).render_as_string(hide_password=False)
+
+
+def alembic_config(url: str) -> object:
+    """An Alembic config for our migrations against `url` (no alembic.ini needed)."""
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    # Alembic interpolates '%' in options; escape it so passwords with '%' survive.
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def migrate(url: str, revision: str = "head") -> None:
+    """Upgrade the database to `revision`; a no-op when it is already there."""
+    from alembic import command
+
+    command.upgrade(alembic_config(url), revision)  # type: ignore[arg-type]
+
+
+def current_revision(conn: sa.Connection) -> str | None:
+    """The revision the database is at, or None before the first migration."""
+    from alembic.runtime.migration import MigrationContext
+
+    from enrichq_schema.tables import SCHEMA
+
+    context = MigrationContext.configure(conn, opts={"version_table_schema": SCHEMA})
+    return context.get_current_revision()
+
+
+def head_revision() -> str | None:
+    """The newest revision that ships with this version of enrichq."""
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory(str(MIGRATIONS)).get_current_head()

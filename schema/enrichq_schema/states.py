@@ -1,0 +1,89 @@
+"""The queue's vocabulary: states, reasons, kinds and run stop reasons (DESIGN §3, §6)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class State(StrEnum):
+    """Where a queue row is in its life."""
+
+    QUEUED = "queued"
+    LEASED = "leased"
+    DONE = "done"
+    FAILED = "failed"
+    DEAD_LETTER = "dead_letter"
+
+
+OPEN_STATES = (State.QUEUED, State.LEASED)
+TERMINAL_STATES = (State.DONE, State.FAILED, State.DEAD_LETTER)
+
+
+class Kind(StrEnum):
+    """Kinds of work, in the order a worker serves them (earlier stages win)."""
+
+    ENRICH = "enrich"
+    REFRESH = "refresh"
+
+
+class Reason(StrEnum):
+    """Why a row was enqueued; the created/updated reasons pick the visibility delay."""
+
+    CREATED = "created"
+    UPDATED = "updated"
+    REFRESH = "refresh"
+    REDRIVE = "redrive"
+    MANUAL = "manual"
+
+
+class DeadReason(StrEnum):
+    """Why a row ended in the dead-letter state."""
+
+    ATTEMPTS_EXHAUSTED = "attempts_exhausted"
+    SUPERSEDED = "superseded"
+
+
+class Outcome(StrEnum):
+    """What became of one claimed job (the `outcome` label of the metrics)."""
+
+    DONE = "done"
+    RETRY = "retry"
+    FAILED = "failed"
+    DEAD_LETTER = "dead_letter"
+    DEFERRED = "deferred"
+    LOST = "lost"
+
+
+class Component(StrEnum):
+    """Which process wrote an `enrichq.runs` row."""
+
+    WORKER = "worker"
+    SWEEPER = "sweeper"
+    PARITY = "parity"
+
+
+class StopReason(StrEnum):
+    """Why a run ended; all but `error` are healthy."""
+
+    NO_WORK = "no_work"
+    TIME_BUDGET = "time_budget"
+    BUDGET_EXHAUSTED = "budget_exhausted"
+    SHUTDOWN = "shutdown"
+    ERROR = "error"
+
+
+class Plan(StrEnum):
+    """A tenant's plan; it sets the priority of the tenant's work."""
+
+    FREE = "free"
+    STANDARD = "standard"
+    PRIORITY = "priority"
+
+
+PLAN_PRIORITY: dict[Plan, int] = {Plan.FREE: 0, Plan.STANDARD: 1, Plan.PRIORITY: 2}
+# Ownerless work (maintenance refreshes, tickets with no tenant) counts as the middle plan:
+# housekeeping that always loses never happens.
+OWNERLESS_PRIORITY = PLAN_PRIORITY[Plan.STANDARD]
+
+LOOKUP_STATUSES = ("ok", "empty", "not_found", "error", "deferred")
+KEY_MAX_LENGTH = 200

@@ -1,0 +1,256 @@
+"""Table metadata: the single source of truth for the schema; migrations are generated from it."""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql as pg
+
+from enrichq_schema.states import (
+    KEY_MAX_LENGTH,
+    LOOKUP_STATUSES,
+    Component,
+    DeadReason,
+    Plan,
+    Reason,
+    State,
+    StopReason,
+)
+
+SCHEMA = "enrichq"
+PUBLIC_SCHEMA = "enrichq_public"
+
+metadata = sa.MetaData(
+    schema=SCHEMA,
+    naming_convention={
+        "ix": "%(table_name)s_%(column_0_N_name)s_idx",
+        "uq": "%(table_name)s_%(column_0_N_name)s_key",
+        "ck": "%(table_name)s_%(constraint_name)s",
+        "fk": "%(table_name)s_%(column_0_name)s_fkey",
+        "pk": "%(table_name)s_pkey",
+    },
+)
+
+
+def _one_of(column: str, values: object) -> str:
+    """SQL `column IN (...)` over an enum's values, for CHECK constraints."""
+    items = ", ".join(f"'{v}'" for v in values)  # type: ignore[attr-defined]
+    return f"{column} IN ({items})"
+
+
+def _now() -> sa.TextClause:
+    return sa.text("now()")
+
+
+def _created_at() -> sa.Column[object]:
+    return sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=_now())
+
+
+# Text of the partial-index predicates. Queries must imply them, so they are written once.
+QUEUED = "state = 'queued'"
+LEASED = "state = 'leased'"
+TERMINAL = "state IN ('done', 'failed', 'dead_letter')"
+DEAD = "state = 'dead_letter'"
+
+queue = sa.Table(
+    "queue",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(always=True), primary_key=True),
+    sa.Column("kind", sa.Text, nullable=False),
+    sa.Column("key", sa.Text, nullable=False),
+    sa.Column("tenant", sa.Text, nullable=True),
+    sa.Column("priority", sa.SmallInteger, nullable=False, server_default="1"),
+    sa.Column("reason", sa.Text, nullable=False),
+    sa.Column("payload", pg.JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    sa.Column("state", sa.Text, nullable=False, server_default=State.QUEUED.value),
+    sa.Column("visible_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+    sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("max_attempts", sa.Integer, nullable=False),
+    sa.Column("lease_owner", sa.Text),
+    sa.Column("lease_expires_at", sa.DateTime(timezone=True)),
+    sa.Column("heartbeat_at", sa.DateTime(timezone=True)),
+    sa.Column("last_error", sa.Text),
+    sa.Column("dead_reason", sa.Text),
+    sa.Column("superseded_by", sa.BigInteger),
+    _created_at(),
+    sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+    sa.Column("finished_at", sa.DateTime(timezone=True)),
+    sa.CheckConstraint(_one_of("state", State), name="state_known"),
+    sa.CheckConstraint(_one_of("reason", Reason), name="reason_known"),
+    sa.CheckConstraint(f"char_length(key) BETWEEN 1 AND {KEY_MAX_LENGTH}", name="key_length"),
+    sa.CheckConstraint("attempts >= 0 AND attempts <= max_attempts", name="attempts_in_range"),
+    sa.CheckConstraint("max_attempts >= 1", name="max_attempts_positive"),
+    sa.CheckConstraint(
+        "(state = 'leased') = (lease_owner IS NOT NULL AND lease_expires_at IS NOT NULL)",
+        name="lease_iff_leased",
+    ),
+    sa.CheckConstraint(
+        "(state IN ('done', 'failed', 'dead_letter')) = (finished_at IS NOT NULL)",
+        name="finished_iff_terminal",
+    ),
+    sa.CheckConstraint(
+        f"(state = 'dead_letter') = (dead_reason IS NOT NULL)"
+        f" AND (dead_reason IS NULL OR {_one_of('dead_reason', DeadReason)})",
+        name="dead_reason_iff_dead",
+    ),
+    sa.CheckConstraint(
+        "superseded_by IS NULL OR dead_reason = 'superseded'", name="superseded_has_reason"
+    ),
+    # Merge: one queued row per (kind, key); a second enqueue is a no-op.
+    sa.Index("queue_queued_key_uq", "kind", "key", unique=True, postgresql_where=sa.text(QUEUED)),
+    # Claim: per kind and tenant, visible rows oldest first. The tenant column lets a claim
+    # walk the distinct tenants with a loose index scan instead of sorting the backlog.
+    sa.Index(
+        "queue_claim_idx",
+        "kind",
+        sa.text("coalesce(tenant, '')"),
+        "visible_at",
+        postgresql_where=sa.text(QUEUED),
+    ),
+    # One worker per ticket: the claim skips keys that hold a live lease.
+    sa.Index("queue_leased_key_idx", "kind", "key", postgresql_where=sa.text(LEASED)),
+    # Heartbeat: every lease one owner holds.
+    sa.Index("queue_leased_owner_idx", "lease_owner", postgresql_where=sa.text(LEASED)),
+    # Sweeper: expired leases.
+    sa.Index("queue_leased_expiry_idx", "lease_expires_at", postgresql_where=sa.text(LEASED)),
+    # Retention: terminal rows by age.
+    sa.Index("queue_terminal_finished_idx", "finished_at", postgresql_where=sa.text(TERMINAL)),
+    # Dead-letter listing and redrive by reason.
+    sa.Index("queue_dead_reason_idx", "dead_reason", "id", postgresql_where=sa.text(DEAD)),
+    # The queue table churns: vacuum it early and often so dead tuples never pile up.
+    postgresql_with={
+        "autovacuum_vacuum_scale_factor": "0.01",
+        "autovacuum_vacuum_threshold": "1000",
+        "autovacuum_vacuum_insert_scale_factor": "0.05",
+        "autovacuum_analyze_scale_factor": "0.02",
+        "autovacuum_vacuum_cost_delay": "1",
+        "fillfactor": "80",
+    },
+)
+
+tenants = sa.Table(
+    "tenants",
+    metadata,
+    sa.Column("tenant", sa.Text, primary_key=True),
+    sa.Column("plan", sa.Text, nullable=False, server_default=Plan.STANDARD.value),
+    sa.Column("priority", sa.SmallInteger, nullable=False, server_default="1"),
+    sa.CheckConstraint(_one_of("plan", Plan), name="plan_known"),
+)
+
+# Claims per (kind, tenant, hour): what the claim's fairness term reads. Counting at claim
+# time makes in-flight work count as served, and the claim reads at most 25 rows per tenant
+# however long the queue's history is. Ownerless work is counted under tenant ''.
+tenant_served = sa.Table(
+    "tenant_served",
+    metadata,
+    sa.Column("kind", sa.Text, primary_key=True),
+    sa.Column("tenant", sa.Text, primary_key=True),
+    sa.Column("bucket", sa.DateTime(timezone=True), primary_key=True),
+    sa.Column("served", sa.BigInteger, nullable=False),
+)
+
+ticket_orders = sa.Table(
+    "ticket_orders",
+    metadata,
+    sa.Column("ticket_id", sa.Text, primary_key=True),
+    sa.Column("order_id", sa.Text, primary_key=True),
+    sa.Column("customer_id", sa.Text),
+    sa.Column("placed_at", sa.DateTime(timezone=True)),
+    sa.Column("total", sa.Numeric),
+    sa.Column("looked_up_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("queue_id", sa.BigInteger, nullable=False),
+)
+
+# One row per enriched ticket, also when it had no orders: "enriched, empty" and "never
+# enriched" are different answers for parity and for the refresh schedule.
+ticket_enrichments = sa.Table(
+    "ticket_enrichments",
+    metadata,
+    sa.Column("ticket_id", sa.Text, primary_key=True),
+    sa.Column("enriched_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("order_count", sa.Integer, nullable=False),
+    sa.Column("queue_id", sa.BigInteger, nullable=False),
+    sa.Index("ticket_enrichments_enriched_at_idx", "enriched_at"),
+)
+
+lookup_log = sa.Table(
+    "lookup_log",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(always=True), primary_key=True),
+    sa.Column("queue_id", sa.BigInteger, nullable=False),
+    sa.Column("ticket_id", sa.Text, nullable=False),
+    sa.Column("attempt", sa.Integer, nullable=False),
+    # Warehouse job ids are opaque text (BigQuery's are not UUIDs).
+    sa.Column("job_id", sa.Text),
+    # One BigQuery run can bill more than 2.1 GB: bigint, never int.
+    sa.Column("bytes_billed", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("rows", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("duration_ms", sa.Float, nullable=False),
+    sa.Column("status", sa.Text, nullable=False),
+    sa.Column("error", sa.Text),
+    _created_at(),
+    sa.CheckConstraint(_one_of("status", LOOKUP_STATUSES), name="status_known"),
+    sa.CheckConstraint("bytes_billed >= 0", name="bytes_billed_non_negative"),
+    sa.Index("lookup_log_ticket_id_idx", "ticket_id"),
+)
+
+budget_ledger = sa.Table(
+    "budget_ledger",
+    metadata,
+    sa.Column("day", sa.Date, primary_key=True),
+    sa.Column("bytes_billed", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("lookups", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+    sa.CheckConstraint("bytes_billed >= 0", name="bytes_billed_non_negative"),
+)
+
+runs = sa.Table(
+    "runs",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(always=True), primary_key=True),
+    sa.Column("component", sa.Text, nullable=False),
+    sa.Column("owner", sa.Text, nullable=False),
+    sa.Column("started_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+    sa.Column("finished_at", sa.DateTime(timezone=True)),
+    sa.Column("stop_reason", sa.Text),
+    sa.Column("counts", pg.JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    sa.Column("error", sa.Text),
+    sa.CheckConstraint(_one_of("component", Component), name="component_known"),
+    sa.CheckConstraint(
+        f"stop_reason IS NULL OR {_one_of('stop_reason', StopReason)}", name="stop_reason_known"
+    ),
+    sa.CheckConstraint("(finished_at IS NULL) = (stop_reason IS NULL)", name="finished_iff_reason"),
+    sa.Index("runs_component_started_at_idx", "component", "started_at"),
+)
+
+parity_runs = sa.Table(
+    "parity_runs",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(always=True), primary_key=True),
+    sa.Column("started_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+    sa.Column("finished_at", sa.DateTime(timezone=True)),
+    sa.Column("window_since", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("window_until", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("tickets_compared", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("tickets_excluded", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("exact_matches", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("order_coverage", sa.Float),
+    sa.Column("ticket_match_rate", sa.Float),
+    sa.Column("min_order_coverage", sa.Float, nullable=False),
+    sa.Column("min_ticket_match_rate", sa.Float, nullable=False),
+    sa.Column("passed", sa.Boolean),
+    sa.Column("report", pg.JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    sa.Index("parity_runs_finished_at_idx", "finished_at"),
+)
+
+cutover_events = sa.Table(
+    "cutover_events",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(always=True), primary_key=True),
+    sa.Column("action", sa.Text, nullable=False),
+    sa.Column("target", sa.Text, nullable=False),
+    sa.Column("parity_run_id", sa.BigInteger, sa.ForeignKey("enrichq.parity_runs.id")),
+    sa.Column("actor", sa.Text, nullable=False),
+    sa.Column("at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+    sa.Column("note", sa.Text),
+    sa.CheckConstraint("action IN ('cutover', 'rollback')", name="action_known"),
+)

@@ -1,0 +1,343 @@
+"""The ``enrichq`` command line. Heavy imports happen inside the commands that need them."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import click
+
+from enrichq_service.errors import SettingsError
+
+if TYPE_CHECKING:
+    from enrichq_service.settings import Settings
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+@dataclass
+class Context:
+    """What every command gets: the settings file path, read lazily."""
+
+    config_file: Path | None
+    _settings: Settings | None = None
+
+    @property
+    def settings(self) -> Settings:
+        if self._settings is None:
+            from enrichq_service.settings import Settings
+
+            self._settings = Settings.load(self.config_file)
+            logging.basicConfig(
+                level=self._settings.log_level,
+                format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+            )
+        return self._settings
+
+    @contextlib.contextmanager
+    def database(self) -> Iterator[str]:
+        """The database URL, starting the embedded PostgreSQL when none is configured."""
+        from enrichq_schema.db import database_url
+
+        with database_url(self.settings.database_url) as url:
+            yield url
+
+
+pass_context = click.make_pass_decorator(Context)
+
+
+def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
+    """Print one line to stderr and exit."""
+    click.echo(f"enrichq: {message}", err=True)
+    sys.exit(code)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="ENRICHQ_CONFIG",
+    help="TOML file of settings (environment variables win over it).",
+)
+@click.version_option(package_name="enrichq")
+@click.pass_context
+def cli(ctx: click.Context, config_file: Path | None) -> None:
+    """enrichq: ticket enrichment on a leased Postgres queue, with shadow run and cutover."""
+    ctx.obj = Context(config_file)
+
+
+@cli.command()
+@pass_context
+def migrate(ctx: Context) -> None:
+    """Create or upgrade enrichq's tables (a no-op when already at the newest revision)."""
+    ctx.settings  # noqa: B018 -- a bad setting stops the command before any connection
+    from enrichq_schema.db import migrate as run_migrations
+    from enrichq_schema.db import redact
+
+    with ctx.database() as url:
+        run_migrations(url)
+        click.echo(f"migrated {redact(url)} to head")
+
+
+@cli.command()
+@click.argument("keys", nargs=-1, required=True)
+@click.option(
+    "--reason",
+    type=click.Choice(["created", "updated", "refresh", "manual"]),
+    default="manual",
+    show_default=True,
+    help="Why; created/updated pick the visibility delay, manual is visible now.",
+)
+@click.option("--tenant", default=None, help="Brand or account the ticket belongs to.")
+@click.option(
+    "--kind", type=click.Choice(["enrich", "refresh"]), default="enrich", show_default=True
+)
+@pass_context
+def enqueue(
+    ctx: Context, keys: tuple[str, ...], reason: str, tenant: str | None, kind: str
+) -> None:
+    """Enqueue tickets KEYS for enrichment; a ticket already queued is merged."""
+    from enrichq_schema.db import create_engine
+    from enrichq_service import queue
+    from enrichq_service.queue import EnqueueRequest, QueueInputError
+
+    settings = ctx.settings
+    try:
+        requests = [
+            EnqueueRequest.build(key=k, kind=kind, reason=reason, tenant=tenant) for k in keys
+        ]
+    except QueueInputError as exc:
+        fail(str(exc))
+    with ctx.database() as url:
+        engine = create_engine(url, pool_size=1)
+        with engine.begin() as conn:
+            results = queue.enqueue(conn, requests, settings=settings)
+        engine.dispose()
+    for result in results:
+        click.echo(f"{result.key}\t{'inserted' if result.inserted else 'merged'}\t{result.id}")
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+@pass_context
+def status(ctx: Context, as_json: bool) -> None:
+    """Queue counts by state and kind, oldest visible age, live leases, dead letters."""
+    ctx.settings  # noqa: B018 -- a bad setting stops the command before any import or connection
+    from enrichq_schema.db import create_engine
+    from enrichq_service.status import collect, render
+
+    with ctx.database() as url:
+        engine = create_engine(url, pool_size=1)
+        with engine.connect() as conn:
+            report = collect(conn)
+        engine.dispose()
+    if as_json:
+        click.echo(json.dumps(report.as_dict(), indent=2, default=str))
+    else:
+        render(report)
+
+
+@cli.command()
+@click.option("--drain", is_flag=True, help="Exit when no visible work is left.")
+@click.option(
+    "--time-budget",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Stop claiming after this many seconds, finish in-flight work, exit.",
+)
+@pass_context
+def worker(ctx: Context, drain: bool, time_budget: float | None) -> None:
+    """Claim and enrich tickets until stopped (SIGTERM/SIGINT finish in-flight work)."""
+    from enrichq_service.worker import run_worker
+
+    settings = ctx.settings
+    with ctx.database() as url:
+        sys.exit(run_worker(settings, url, drain=drain, time_budget=time_budget))
+
+
+@cli.command()
+@pass_context
+def serve(ctx: Context) -> None:
+    """HTTP ingest (POST /v1/events), health, /metrics and a worker in one process."""
+    from enrichq_service.serve import run_serve
+
+    settings = ctx.settings
+    with ctx.database() as url:
+        sys.exit(run_serve(settings, url))
+
+
+@cli.command()
+@click.option("--once", is_flag=True, help="Run every task once and exit.")
+@pass_context
+def sweep(ctx: Context, once: bool) -> None:
+    """Recover expired leases, dead-letter spent rows, prune old rows, enqueue refreshes."""
+    from enrichq_sweeper.scheduler import run_sweeper
+
+    settings = ctx.settings
+    with ctx.database() as url:
+        sys.exit(run_sweeper(settings, url, once=once))
+
+
+@cli.group()
+def dlq() -> None:
+    """Inspect and redrive dead letters."""
+
+
+@dlq.command("list")
+@click.option("--reason", type=click.Choice(["attempts_exhausted", "superseded"]))
+@click.option("--limit", type=click.IntRange(min=1, max=10_000), default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON lines.")
+@pass_context
+def dlq_list(ctx: Context, reason: str | None, limit: int, as_json: bool) -> None:
+    """List dead letters, newest first."""
+    from enrichq_sweeper.dlq import list_cli
+
+    settings = ctx.settings
+    with ctx.database() as url:
+        list_cli(settings, url, reason=reason, limit=limit, as_json=as_json)
+
+
+@dlq.command("redrive")
+@click.option("--id", "ids", type=click.IntRange(min=1), multiple=True, help="Row id (repeat).")
+@click.option("--reason", type=click.Choice(["attempts_exhausted", "superseded"]))
+@click.option("--all", "all_rows", is_flag=True, help="Every dead letter.")
+@click.option("--dry-run", is_flag=True, help="Say what would be redriven; change nothing.")
+@pass_context
+def dlq_redrive(
+    ctx: Context, ids: tuple[int, ...], reason: str | None, all_rows: bool, dry_run: bool
+) -> None:
+    """Put dead letters back in the queue with fresh attempts (merging like enqueue)."""
+    chosen = sum([bool(ids), reason is not None, all_rows])
+    if chosen != 1:
+        fail("dlq redrive: give exactly one of --id, --reason or --all")
+    from enrichq_sweeper.dlq import redrive_cli
+
+    settings = ctx.settings
+    with ctx.database() as url:
+        redrive_cli(settings, url, ids=list(ids), reason=reason, all_rows=all_rows, dry_run=dry_run)
+
+
+def _parse_day(value: str | None, name: str) -> Any:
+    if value is None:
+        return None
+    from datetime import UTC, date, datetime
+
+    try:
+        if len(value) == 10:
+            return datetime.combine(date.fromisoformat(value), datetime.min.time(), tzinfo=UTC)
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        fail(f"{name}: {value!r} is not a date (YYYY-MM-DD) or ISO timestamp")
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+@cli.command()
+@click.option("--since", help="Start of the window (YYYY-MM-DD or ISO time, UTC); default 7 days.")
+@click.option("--until", help="End of the window (exclusive); default now.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path))
+@pass_context
+def parity(
+    ctx: Context,
+    since: str | None,
+    until: str | None,
+    json_path: Path | None,
+    html_path: Path | None,
+) -> None:
+    """Compare shadow output with legacy output; exit 1 below the thresholds."""
+    since_at = _parse_day(since, "--since")
+    until_at = _parse_day(until, "--until")
+    if since_at and until_at and since_at >= until_at:
+        fail("--since must be before --until")
+    from enrichq_parity.parity import run_cli
+
+    settings = ctx.settings
+    with ctx.database() as url:
+        sys.exit(
+            run_cli(
+                settings,
+                url,
+                since=since_at,
+                until=until_at,
+                json_path=json_path,
+                html_path=html_path,
+            )
+        )
+
+
+@cli.command()
+@click.option("--rollback", is_flag=True, help="Point consumers back at the legacy table.")
+@click.option("--actor", default=None, help="Who does this (default: the OS user).")
+@pass_context
+def cutover(ctx: Context, rollback: bool, actor: str | None) -> None:
+    """Point consumers at the shadow table, only after a fresh passing parity run."""
+    from enrichq_parity.cutover import run_cli
+
+    settings = ctx.settings
+    with ctx.database() as url:
+        sys.exit(run_cli(settings, url, rollback=rollback, actor=actor))
+
+
+@cli.command()
+@click.option("--keep-running", is_flag=True, help="Leave serve and /metrics up afterwards.")
+@click.option("--tickets", type=click.IntRange(min=10, max=100_000), default=600)
+@pass_context
+def demo(ctx: Context, keep_running: bool, tickets: int) -> None:
+    """Seed a help desk, warehouse and legacy output, run enrichq in shadow, report parity."""
+    from enrichq_service.demo import run_demo
+
+    settings = ctx.settings
+    with ctx.database() as url:
+        sys.exit(run_demo(settings, url, keep_running=keep_running, tickets=tickets))
+
+
+def _run(entry: Callable[..., Any], args: list[str] | None) -> int:
+    try:
+        entry.main(args=args, prog_name="enrichq", standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as exc:
+        click.echo(exc.ctx.get_help() if exc.ctx else str(exc))
+        return EXIT_USAGE
+    except click.UsageError as exc:
+        where = f"{exc.ctx.command_path}: " if exc.ctx else ""
+        click.echo(f"enrichq: {where}{exc.format_message()}", err=True)
+        return EXIT_USAGE
+    except click.ClickException as exc:
+        click.echo(f"enrichq: {exc.format_message()}", err=True)
+        return exc.exit_code
+    except click.exceptions.Abort:
+        click.echo("enrichq: aborted", err=True)
+        return EXIT_FAILED
+    except SettingsError as exc:
+        click.echo(f"enrichq: {exc}", err=True)
+        return EXIT_USAGE
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else EXIT_FAILED
+    except KeyboardInterrupt:
+        return 130
+    return EXIT_OK
+
+
+def main(args: list[str] | None = None) -> int:
+    """Entry point of the ``enrichq`` console script."""
+    from enrichq_schema.errors import describe_database_error
+
+    try:
+        code = _run(cli, args)
+    except Exception as exc:
+        message = describe_database_error(exc)
+        if message is None:
+            raise
+        click.echo(f"enrichq: {message}", err=True)
+        code = EXIT_FAILED
+    if args is None:
+        sys.exit(code)
+    return code

@@ -1,0 +1,107 @@
+"""Prometheus metrics of every enrichq process (prefix ``enrichq_``, DESIGN §6).
+
+Counters and histograms are updated where things happen; the queue and database gauges
+are read from Postgres by a collector at scrape time and cached for a few seconds, so a
+scrape storm cannot load the database.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram, Info
+
+JOB_DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+BATCH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500)
+
+build_info = Info("enrichq_build", "Version of the running enrichq.")
+
+# -- queue operations (worker side)
+claims_total = Counter("enrichq_claims_total", "Rows claimed.", ["kind"])
+claim_batch_size = Histogram(
+    "enrichq_claim_batch_size", "Rows returned by one claim.", ["kind"], buckets=BATCH_BUCKETS
+)
+job_duration_seconds = Histogram(
+    "enrichq_job_duration_seconds",
+    "Time from claim to settle of one job.",
+    ["kind", "outcome"],
+    buckets=JOB_DURATION_BUCKETS,
+)
+job_outcomes_total = Counter(
+    "enrichq_job_outcomes_total",
+    "Claimed jobs by what became of them (done/retry/failed/dead_letter/deferred/lost).",
+    ["kind", "outcome"],
+)
+fenced_writes_refused_total = Counter(
+    "enrichq_fenced_writes_refused_total",
+    "Writes refused because the lease was no longer held (operation: complete/retry/...).",
+    ["operation"],
+)
+heartbeat_failures_total = Counter(
+    "enrichq_heartbeat_failures_total", "Heartbeats that failed to reach the database."
+)
+heartbeat_lost_leases_total = Counter(
+    "enrichq_heartbeat_lost_leases_total", "Leases a heartbeat found no longer held."
+)
+heartbeat_lag_seconds = Gauge(
+    "enrichq_heartbeat_lag_seconds", "Seconds since this worker's last successful heartbeat."
+)
+jobs_in_flight = Gauge("enrichq_jobs_in_flight", "Jobs this process is working on now.")
+
+# -- enrichment
+lookups_total = Counter("enrichq_lookups_total", "Warehouse lookups by status.", ["status"])
+warehouse_bytes_billed_total = Counter(
+    "enrichq_warehouse_bytes_billed_total", "Bytes billed by the warehouse for lookups."
+)
+budget_exhausted = Gauge(
+    "enrichq_budget_exhausted", "1 while today's warehouse bytes budget is spent."
+)
+
+# -- ingest
+events_total = Counter(
+    "enrichq_events_total", "Events received over HTTP by result.", ["result"]
+)
+enqueued_total = Counter(
+    "enrichq_enqueued_total", "Enqueue requests by result (inserted/merged).", ["kind", "result"]
+)
+
+# -- sweeper
+sweeper_promoted_total = Counter(
+    "enrichq_sweeper_promoted_total", "Expired leases put back in the queue."
+)
+sweeper_dead_letters_total = Counter(
+    "enrichq_sweeper_dead_letters_total", "Rows the sweeper dead-lettered, by reason.", ["reason"]
+)
+sweeper_lease_expiries_total = Counter(
+    "enrichq_sweeper_lease_expiries_total", "Expired leases the sweeper recovered (any outcome)."
+)
+sweeper_pruned_total = Counter(
+    "enrichq_sweeper_pruned_total", "Terminal rows deleted by retention, by state.", ["state"]
+)
+sweeper_refresh_enqueued_total = Counter(
+    "enrichq_sweeper_refresh_enqueued_total", "Refresh rows enqueued by the sweeper."
+)
+sweeper_last_pass_timestamp_seconds = Gauge(
+    "enrichq_sweeper_last_pass_timestamp_seconds",
+    "Unix time of the last finished pass, by task.",
+    ["task"],
+)
+sweeper_is_leader = Gauge("enrichq_sweeper_is_leader", "1 while this sweeper holds the lock.")
+
+# -- parity (the latest run, as read from enrichq.parity_runs)
+parity_order_coverage = Gauge(
+    "enrichq_parity_order_coverage", "Order coverage of the latest parity run (0..1)."
+)
+parity_ticket_match_rate = Gauge(
+    "enrichq_parity_ticket_match_rate", "Ticket match rate of the latest parity run (0..1)."
+)
+parity_pass = Gauge("enrichq_parity_pass", "1 if the latest parity run passed, else 0.")
+parity_last_run_timestamp_seconds = Gauge(
+    "enrichq_parity_last_run_timestamp_seconds", "Unix time the latest parity run finished."
+)
+
+# Gauges read from the database at scrape time (see enrichq_service.observe):
+#   enrichq_queue_rows{kind,state}
+#   enrichq_queue_oldest_visible_age_seconds{kind}
+#   enrichq_queue_live_leases
+#   enrichq_queue_dead_tuples, enrichq_queue_last_autovacuum_timestamp_seconds
+#   enrichq_oldest_transaction_age_seconds
+#   enrichq_budget_bytes_billed_today

@@ -1,0 +1,109 @@
+"""Settings: the DESIGN §6 names and defaults, TOML files, and one-line refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import SecretStr
+
+from enrichq_service.settings import Mode, Settings, SettingsError
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("ENRICHQ_"):
+            monkeypatch.delenv(name)
+
+
+def test_defaults_match_the_design() -> None:
+    s = Settings.load()
+    assert s.database_url is None
+    assert s.mode is Mode.SHADOW
+    assert (s.lease_seconds, s.heartbeat_seconds) == (60, 15)
+    assert (s.delay_created_seconds, s.delay_updated_seconds) == (600, 120)
+    assert (s.max_attempts, s.backoff_base_seconds, s.backoff_cap_seconds) == (5, 5, 300)
+    assert s.attempt_deadline_seconds == 300
+    assert (s.sweep_interval_seconds, s.poll_seconds, s.concurrency) == (30, 5, 8)
+    assert (s.retention_days, s.dead_letter_retention_days) == (30, 90)
+    assert s.daily_bytes_budget == 0
+    assert s.tickets_table == "helpdesk.tickets"
+    assert s.legacy_table == "legacy.ticket_orders"
+    assert (s.http_port, s.metrics_port) == (8080, 9464)
+    assert (s.parity_min_order_coverage, s.parity_min_ticket_match_rate) == (0.995, 0.99)
+    assert s.parity_max_age_hours == 24
+
+
+def test_environment_variables_are_prefixed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ENRICHQ_LEASE_SECONDS", "120")
+    monkeypatch.setenv("ENRICHQ_HEARTBEAT_SECONDS", "20")
+    monkeypatch.setenv("ENRICHQ_WEBHOOK_SECRET", "s3cret")
+    s = Settings.load()
+    assert s.lease_seconds == 120
+    assert s.heartbeat_seconds == 20
+    assert s.webhook_secret == SecretStr("s3cret")
+
+
+def test_toml_file_is_read_and_environment_wins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = tmp_path / "enrichq.toml"
+    cfg.write_text("concurrency = 3\nmax_attempts = 7\n")
+    monkeypatch.setenv("ENRICHQ_MAX_ATTEMPTS", "9")
+    s = Settings.load(cfg)
+    assert s.concurrency == 3
+    assert s.max_attempts == 9
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"ENRICHQ_HEARTBEAT_SECONDS": "30"}, "ENRICHQ_HEARTBEAT_SECONDS"),
+        ({"ENRICHQ_DELAY_CREATED_SECONDS": "-1"}, "ENRICHQ_DELAY_CREATED_SECONDS"),
+        ({"ENRICHQ_MODE": "yolo"}, "ENRICHQ_MODE"),
+        ({"ENRICHQ_CONCURRENCY": "many"}, "ENRICHQ_CONCURRENCY"),
+        ({"ENRICHQ_ENRICHER": "no_colon"}, "ENRICHQ_ENRICHER"),
+        ({"ENRICHQ_TICKETS_TABLE": "x; drop table y"}, "ENRICHQ_TICKETS_TABLE"),
+        ({"ENRICHQ_DATABASE_URL": "::nonsense::"}, "ENRICHQ_DATABASE_URL"),
+        ({"ENRICHQ_NO_SUCH_THING": "1"}, None),
+    ],
+)
+def test_impossible_values_are_refused_naming_the_field(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], expected: str | None
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    if expected is None:
+        # Unknown variables in the environment are ignored (other tools share the prefix
+        # space only by accident); unknown keys in a TOML file are refused below.
+        Settings.load()
+        return
+    with pytest.raises(SettingsError) as info:
+        Settings.load()
+    message = str(info.value)
+    assert expected in message
+    assert "\n" not in message
+
+
+def test_unknown_key_in_toml_is_refused(tmp_path: Path) -> None:
+    cfg = tmp_path / "enrichq.toml"
+    cfg.write_text("leese_seconds = 10\n")
+    with pytest.raises(SettingsError, match="ENRICHQ_LEESE_SECONDS"):
+        Settings.load(cfg)
+
+
+def test_missing_config_file_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="not found"):
+        Settings.load(tmp_path / "absent.toml")
+
+
+def test_safe_dump_hides_passwords_and_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ENRICHQ_DATABASE_URL", "postgresql://app:hunter2@db:5432/enrichq")
+    monkeypatch.setenv("ENRICHQ_WEBHOOK_SECRET", "topsecret")
+    dumped = repr(Settings.load().safe_dump())
+    assert "hunter2" not in dumped
+    assert "topsecret" not in dumped
+    assert "app:***@db" in dumped
