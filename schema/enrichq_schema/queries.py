@@ -59,8 +59,8 @@ def parse(source: str, text: str) -> Queries:
         name = header["name"]
         if name in queries:
             raise ValueError(f"{source}: query {name!r} is defined twice")
-        doc_lines = []
-        sql_lines = []
+        doc_lines: list[str] = []
+        sql_lines: list[str] = []
         for line in body.splitlines():
             if not sql_lines and line.startswith("--"):
                 doc_lines.append(line.removeprefix("--").strip())

@@ -42,7 +42,9 @@ def _now() -> sa.TextClause:
 
 
 def _created_at() -> sa.Column[object]:
-    return sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=_now())
+    return sa.Column(
+        "created_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()
+    )
 
 
 # Text of the partial-index predicates. Queries must imply them, so they are written once.

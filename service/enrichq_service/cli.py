@@ -6,7 +6,7 @@ import contextlib
 import json
 import logging
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -300,7 +300,7 @@ def demo(ctx: Context, keep_running: bool, tickets: int) -> None:
         sys.exit(run_demo(settings, url, keep_running=keep_running, tickets=tickets))
 
 
-def _run(entry: Callable[..., Any], args: list[str] | None) -> int:
+def _run(entry: click.Command, args: list[str] | None) -> int:
     try:
         entry.main(args=args, prog_name="enrichq", standalone_mode=False)
     except click.exceptions.NoArgsIsHelpError as exc:

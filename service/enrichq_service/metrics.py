@@ -56,9 +56,7 @@ budget_exhausted = Gauge(
 )
 
 # -- ingest
-events_total = Counter(
-    "enrichq_events_total", "Events received over HTTP by result.", ["result"]
-)
+events_total = Counter("enrichq_events_total", "Events received over HTTP by result.", ["result"])
 enqueued_total = Counter(
     "enrichq_enqueued_total", "Enqueue requests by result (inserted/merged).", ["kind", "result"]
 )

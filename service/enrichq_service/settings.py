@@ -252,10 +252,11 @@ class Settings(BaseSettings):
         out: dict[str, object] = {}
         for name, value in self.model_dump().items():
             if name.endswith("_url") and value:
-                value = make_url(value).render_as_string(hide_password=True)
+                out[name] = make_url(value).render_as_string(hide_password=True)
             elif isinstance(value, SecretStr):
-                value = "**********"
-            out[name] = value.value if isinstance(value, StrEnum) else value
+                out[name] = "**********"
+            else:
+                out[name] = value.value if isinstance(value, StrEnum) else value
         return out
 
 

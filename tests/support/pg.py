@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,8 +27,17 @@ def server_url(tmp_dir: Path) -> Iterator[str]:
         return
     from enrichq_schema.embedded import EmbeddedPostgres
 
-    with EmbeddedPostgres(tmp_dir) as server:
-        yield server.url
+    if os.geteuid() == 0:
+        # As root the server runs as `nobody`, which cannot enter pytest's 0700 temp tree:
+        # use a directory of our own under /tmp that it can traverse.
+        tmp_dir = Path(tempfile.mkdtemp(prefix="enrichq-test-pg-", dir="/tmp"))
+        tmp_dir.chmod(0o711)
+    try:
+        with EmbeddedPostgres(tmp_dir) as server:
+            yield server.url
+    finally:
+        if os.geteuid() == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
 class Databases:

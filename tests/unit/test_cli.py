@@ -68,7 +68,7 @@ def test_every_command_has_help(command: list[str], capsys: pytest.CaptureFixtur
         ["parity", "--since", "2026-02-01", "--until", "2026-01-01"],
         ["--config", "/nonexistent/enrichq.toml", "status"],
     ],
-    ids=lambda a: " ".join(a),
+    ids=" ".join,
 )
 def test_bad_arguments_give_one_line_and_exit_2(
     args: list[str], capsys: pytest.CaptureFixture[str]

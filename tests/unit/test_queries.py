@@ -26,5 +26,5 @@ def test_duplicate_and_empty_and_missing_names_are_errors() -> None:
         parse("t.sql", "-- name: a\n-- nothing\n")
     with pytest.raises(ValueError, match="no '-- name:'"):
         parse("t.sql", "SELECT 1")
-    with pytest.raises(KeyError, match="no query named 'b' in t.sql"):
+    with pytest.raises(KeyError, match=r"no query named 'b' in t\.sql"):
         parse("t.sql", "-- name: a\nSELECT 1;\n")["b"]

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from enrichq_service.settings import Mode, Settings, SettingsError
+from enrichq_service.errors import SettingsError
+from enrichq_service.settings import Mode, Settings
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,71 @@
+"""`enrichq status`: what is in the queue right now, as a table or JSON."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+
+import sqlalchemy as sa
+
+from enrichq_schema.queries import load
+from enrichq_schema.states import State
+
+SQL = load("enrichq_service", "sql/observe.sql")
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReport:
+    """Queue counts by kind and state, the oldest visible age, leases and dead letters."""
+
+    counts: dict[str, dict[str, int]] = field(default_factory=dict)
+    oldest_visible_seconds: dict[str, float] = field(default_factory=dict)
+    live_leases: int = 0
+    expired_leases: int = 0
+    dead_letters: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def collect(conn: sa.Connection, *, now: datetime | None = None) -> StatusReport:
+    """Read the status from the database."""
+    counts: dict[str, dict[str, int]] = {}
+    for stmt in ("observe_open_counts", "observe_terminal_counts"):
+        for kind, state, n in conn.execute(SQL(stmt)):
+            counts.setdefault(kind, {s.value: 0 for s in State})[state] = int(n)
+    oldest = {
+        kind: round(float(age), 3)
+        for kind, age in conn.execute(SQL("observe_oldest_visible"), {"now": now})
+    }
+    leases = conn.execute(SQL("observe_leases"), {"now": now}).one()
+    dead: dict[str, int] = {}
+    for _kind, reason, n in conn.execute(SQL("observe_dead_letters_by_reason")):
+        dead[reason] = dead.get(reason, 0) + int(n)
+    return StatusReport(counts, oldest, int(leases.live), int(leases.expired), dead)
+
+
+def render(report: StatusReport) -> None:
+    """Print the report as rich tables."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    states = [s.value for s in State]
+    table = Table(title="enrichq queue")
+    table.add_column("kind")
+    for s in states:
+        table.add_column(s, justify="right")
+    table.add_column("oldest visible", justify="right")
+    for kind in sorted(report.counts) or ["enrich"]:
+        row = report.counts.get(kind, {})
+        age = report.oldest_visible_seconds.get(kind)
+        table.add_row(kind, *(str(row.get(s, 0)) for s in states), f"{age:.0f} s" if age else "-")
+    console.print(table)
+    console.print(
+        f"leases: {report.live_leases} live, {report.expired_leases} expired (awaiting sweep)"
+    )
+    if report.dead_letters:
+        reasons = ", ".join(f"{r}: {n}" for r, n in sorted(report.dead_letters.items()))
+        console.print(f"dead letters by reason: {reasons}")
+    else:
+        console.print("dead letters: none")

@@ -1,0 +1,380 @@
+"""Every queue transition of DESIGN §3, and every refusal of a fenced write."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from tests.conftest import make_settings
+
+from enrichq_schema.states import Outcome
+from enrichq_service import queue
+from enrichq_service.queue import EnqueueRequest, Job, QueueInputError
+from enrichq_service.settings import Settings
+
+T0 = datetime(2026, 1, 5, 12, 0, tzinfo=UTC)
+LEASE = 60.0
+
+
+@pytest.fixture
+def cfg() -> Settings:
+    return make_settings(delay_created_seconds=600, delay_updated_seconds=120, max_attempts=3)
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def row(conn: sa.Connection, job_id: int | None) -> sa.Row[tuple[object, ...]]:
+    return conn.execute(queue.SQL("queue_get"), {"id": job_id}).one()
+
+
+def put(conn: sa.Connection, cfg: Settings, key: str, *, reason: str = "manual", **kw: Any) -> int:
+    [res] = queue.enqueue(
+        conn, [EnqueueRequest.build(key=key, reason=reason, **kw)], settings=cfg, now=T0
+    )
+    assert res.inserted
+    assert res.id is not None
+    return res.id
+
+
+def claim_one(conn: sa.Connection, owner: str = "w1", now: float = 0) -> Job:
+    [job] = queue.claim(conn, kind="enrich", owner=owner, limit=1, lease_seconds=LEASE, now=at(now))
+    return job
+
+
+# -- enqueue
+
+
+def test_enqueue_sets_visibility_delay_by_reason(conn: sa.Connection, cfg: Settings) -> None:
+    created = put(conn, cfg, "T-1", reason="created")
+    updated = put(conn, cfg, "T-2", reason="updated")
+    manual = put(conn, cfg, "T-3")
+    assert row(conn, created).visible_at == at(600)
+    assert row(conn, updated).visible_at == at(120)
+    assert row(conn, manual).visible_at == T0
+    r = row(conn, created)
+    assert (r.state, r.attempts, r.max_attempts, r.reason) == ("queued", 0, 3, "created")
+
+
+def test_second_enqueue_of_a_queued_ticket_merges(conn: sa.Connection, cfg: Settings) -> None:
+    first = put(conn, cfg, "T-1", reason="created")
+    results = queue.enqueue(
+        conn,
+        [EnqueueRequest.build(key="T-1", reason="updated"), EnqueueRequest.build(key="T-2")],
+        settings=cfg,
+        now=T0,
+    )
+    assert [(r.key, r.inserted) for r in results] == [("T-1", False), ("T-2", True)]
+    assert results[0].id == first
+    assert conn.execute(sa.text("SELECT count(*) FROM enrichq.queue")).scalar() == 2
+
+
+def test_same_key_twice_in_one_batch_inserts_once(conn: sa.Connection, cfg: Settings) -> None:
+    results = queue.enqueue(
+        conn, [EnqueueRequest.build(key="T-1"), EnqueueRequest.build(key="T-1")], settings=cfg
+    )
+    assert [r.inserted for r in results] == [True, False]
+    assert results[0].id == results[1].id
+
+
+def test_enqueue_after_claim_adds_a_new_queued_row(conn: sa.Connection, cfg: Settings) -> None:
+    put(conn, cfg, "T-1")
+    claim_one(conn)
+    again = queue.enqueue(conn, [EnqueueRequest.build(key="T-1")], settings=cfg, now=at(1))
+    assert again[0].inserted
+
+
+def test_enqueue_a_batch_of_10000_is_one_statement(conn: sa.Connection, cfg: Settings) -> None:
+    statements: list[str] = []
+    sa.event.listen(conn, "before_cursor_execute", lambda *a: statements.append(a[2]))
+    reqs = [EnqueueRequest.build(key=f"T-{i}", tenant=f"brand-{i % 7}") for i in range(10_000)]
+    results = queue.enqueue(conn, reqs, settings=cfg)
+    assert sum(r.inserted for r in results) == 10_000
+    assert len(statements) == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"key": ""}, "key"),
+        ({"key": "x" * 201}, "key"),
+        ({"key": "a\x00b"}, "key"),
+        ({"key": "T", "kind": "nope"}, "kind"),
+        ({"key": "T", "reason": "because"}, "reason"),
+        ({"key": "T", "tenant": ""}, "tenant"),
+        ({"key": "T", "payload": {"x": object()}}, "payload"),
+    ],
+)
+def test_bad_enqueue_input_is_refused(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(QueueInputError, match=f"^{field}"):
+        EnqueueRequest.build(**kwargs)  # type: ignore[arg-type]
+
+
+def test_sql_metacharacters_in_keys_and_tenants_are_data(
+    conn: sa.Connection, cfg: Settings
+) -> None:
+    key = "T'); DROP TABLE enrichq.queue; --"
+    job_id = put(conn, cfg, key, tenant="b'\"\\%_")
+    assert row(conn, job_id).key == key
+    assert row(conn, job_id).tenant == "b'\"\\%_"
+
+
+# -- claim
+
+
+def test_claim_leases_visible_rows_and_counts_the_attempt(
+    conn: sa.Connection, cfg: Settings
+) -> None:
+    job_id = put(conn, cfg, "T-1")
+    put(conn, cfg, "T-2", reason="created")  # not visible for 10 minutes
+    jobs = queue.claim(conn, kind="enrich", owner="w1", limit=10, lease_seconds=LEASE, now=at(5))
+    assert [j.id for j in jobs] == [job_id]
+    r = row(conn, job_id)
+    assert (r.state, r.attempts, r.lease_owner) == ("leased", 1, "w1")
+    assert r.lease_expires_at == at(65)
+    assert jobs[0].attempts == 1
+
+
+def test_claim_respects_the_limit_and_oldest_first(conn: sa.Connection, cfg: Settings) -> None:
+    ids = [put(conn, cfg, f"T-{i}", delay_seconds=10 - i) for i in range(5)]
+    jobs = queue.claim(conn, kind="enrich", owner="w1", limit=3, lease_seconds=LEASE, now=at(20))
+    assert [j.id for j in jobs] == sorted(ids[2:])  # visible 8, 7, 6 s after T0: oldest first
+
+
+def test_claim_only_takes_its_kind(conn: sa.Connection, cfg: Settings) -> None:
+    put(conn, cfg, "T-1", kind="refresh")
+    assert queue.claim(conn, kind="enrich", owner="w", limit=5, lease_seconds=LEASE, now=T0) == []
+    assert len(queue.claim(conn, kind="refresh", owner="w", limit=5, lease_seconds=LEASE, now=T0))
+
+
+def test_claim_never_takes_a_key_with_a_live_lease(conn: sa.Connection, cfg: Settings) -> None:
+    put(conn, cfg, "T-1")
+    claim_one(conn, "w1", now=0)
+    second = put(conn, cfg, "T-1")
+    assert (
+        queue.claim(conn, kind="enrich", owner="w2", limit=5, lease_seconds=LEASE, now=at(10)) == []
+    )
+    # once the first lease has expired the key is free again
+    [job] = queue.claim(conn, kind="enrich", owner="w2", limit=5, lease_seconds=LEASE, now=at(61))
+    assert job.id == second
+
+
+# -- heartbeat
+
+
+def test_heartbeat_extends_held_leases_and_reports_lost_ones(
+    conn: sa.Connection, cfg: Settings
+) -> None:
+    put(conn, cfg, "T-1")
+    put(conn, cfg, "T-2")
+    a, b = queue.claim(conn, kind="enrich", owner="w1", limit=2, lease_seconds=LEASE, now=T0)
+    lost = queue.heartbeat(conn, owner="w1", jobs=[a, b], lease_seconds=LEASE, now=at(30))
+    assert lost == set()
+    assert row(conn, a.id).lease_expires_at == at(90)
+    # b's lease is taken over (expired and re-leased elsewhere): heartbeat reports it lost
+    conn.execute(
+        sa.text("UPDATE enrichq.queue SET lease_owner = 'w2' WHERE id = :id"), {"id": b.id}
+    )
+    assert queue.heartbeat(conn, owner="w1", jobs=[a, b], lease_seconds=LEASE, now=at(40)) == {b.id}
+    # an expired lease is lost too
+    assert queue.heartbeat(conn, owner="w1", jobs=[a], lease_seconds=LEASE, now=at(200)) == {a.id}
+
+
+# -- complete / fenced refusals
+
+
+def test_complete_marks_done(conn: sa.Connection, cfg: Settings) -> None:
+    put(conn, cfg, "T-1")
+    job = claim_one(conn)
+    assert queue.complete(conn, owner="w1", jobs=[job], now=at(1)) == {job.id}
+    r = row(conn, job.id)
+    assert (r.state, r.lease_owner, r.finished_at) == ("done", None, at(1))
+
+
+@pytest.mark.parametrize("refusal", ["wrong_owner", "stale_attempt", "expired", "wrong_state"])
+def test_every_fenced_write_refuses_a_job_it_does_not_hold(
+    conn: sa.Connection, cfg: Settings, refusal: str
+) -> None:
+    put(conn, cfg, "T-1")
+    job = claim_one(conn, "w1")
+    owner, now = "w1", at(1)
+    if refusal == "wrong_owner":
+        owner = "w2"
+    elif refusal == "stale_attempt":
+        job = dataclasses.replace(job, attempts=0)
+    elif refusal == "expired":
+        now = at(61)
+    else:
+        queue.complete(conn, owner="w1", jobs=[job], now=at(1))
+    before = row(conn, job.id)
+    assert queue.complete(conn, owner=owner, jobs=[job], now=now) == set()
+    assert queue.fail(conn, owner=owner, failures=[(job, "x")], now=now) == set()
+    assert (
+        queue.retry(
+            conn,
+            owner=owner,
+            failures=[(job, "x")],
+            backoff_base_seconds=5,
+            backoff_cap_seconds=300,
+            now=now,
+        )
+        == {}
+    )
+    assert queue.defer(conn, owner=owner, deferrals=[(job, None)], now=now) == set()
+    assert queue.heartbeat(conn, owner=owner, jobs=[job], lease_seconds=LEASE, now=now) == {job.id}
+    assert row(conn, job.id) == before
+
+
+# -- retry
+
+
+def test_retry_requeues_with_capped_jittered_backoff(conn: sa.Connection) -> None:
+    cfg = make_settings(max_attempts=10)
+    put(conn, cfg, "T-1")
+    for attempt in range(1, 8):
+        claim_at = 10_000 * attempt
+        job = claim_one(conn, now=claim_at)
+        assert job.attempts == attempt
+        won = queue.retry(
+            conn,
+            owner="w1",
+            failures=[(job, f"boom {attempt}")],
+            backoff_base_seconds=5,
+            backoff_cap_seconds=300,
+            now=at(claim_at),
+        )
+        assert won == {job.id: Outcome.RETRY}
+        r = row(conn, job.id)
+        assert (r.state, r.last_error, r.lease_owner) == ("queued", f"boom {attempt}", None)
+        full = min(300, 5 * 2**attempt)
+        delay = (r.visible_at - at(claim_at)).total_seconds()
+        assert full / 2 <= delay <= full
+
+
+def test_retry_on_the_last_attempt_dead_letters(conn: sa.Connection, cfg: Settings) -> None:
+    put(conn, cfg, "T-1")
+    for attempt in range(1, 4):
+        job = claim_one(conn, now=1000 * attempt)
+        won = queue.retry(
+            conn,
+            owner="w1",
+            failures=[(job, "boom")],
+            backoff_base_seconds=0,
+            backoff_cap_seconds=0,
+            now=at(1000 * attempt),
+        )
+    assert won == {job.id: Outcome.DEAD_LETTER}
+    r = row(conn, job.id)
+    assert (r.state, r.dead_reason, r.attempts, r.last_error) == (
+        "dead_letter",
+        "attempts_exhausted",
+        3,
+        "boom",
+    )
+
+
+def test_retry_supersedes_when_the_key_is_queued_again(conn: sa.Connection, cfg: Settings) -> None:
+    put(conn, cfg, "T-1")
+    job = claim_one(conn)
+    newer = put(conn, cfg, "T-1")
+    won = queue.retry(
+        conn,
+        owner="w1",
+        failures=[(job, "boom")],
+        backoff_base_seconds=5,
+        backoff_cap_seconds=300,
+        now=at(1),
+    )
+    assert won == {job.id: Outcome.DEAD_LETTER}
+    r = row(conn, job.id)
+    assert (r.state, r.dead_reason, r.superseded_by) == ("dead_letter", "superseded", newer)
+
+
+# -- fail, defer
+
+
+def test_fail_is_terminal_and_keeps_the_error(conn: sa.Connection, cfg: Settings) -> None:
+    put(conn, cfg, "T-1")
+    job = claim_one(conn)
+    assert queue.fail(conn, owner="w1", failures=[(job, "unknown kind")], now=at(1)) == {job.id}
+    r = row(conn, job.id)
+    assert (r.state, r.last_error, r.finished_at) == ("failed", "unknown kind", at(1))
+
+
+def test_defer_gives_the_attempt_back(conn: sa.Connection, cfg: Settings) -> None:
+    put(conn, cfg, "T-1")
+    job = claim_one(conn)
+    until = at(3600)
+    assert queue.defer(conn, owner="w1", deferrals=[(job, until)], now=at(1)) == {job.id}
+    r = row(conn, job.id)
+    assert (r.state, r.attempts, r.visible_at, r.lease_owner) == ("queued", 0, until, None)
+
+
+def test_defer_supersedes_when_the_key_is_queued_again(conn: sa.Connection, cfg: Settings) -> None:
+    put(conn, cfg, "T-1")
+    job = claim_one(conn)
+    newer = put(conn, cfg, "T-1")
+    assert queue.defer(conn, owner="w1", deferrals=[(job, None)], now=at(1)) == {job.id}
+    r = row(conn, job.id)
+    assert (r.state, r.superseded_by) == ("dead_letter", newer)
+
+
+# -- fairness
+
+
+def test_claim_order_priority_then_least_served_tenant_then_oldest(
+    conn: sa.Connection, cfg: Settings
+) -> None:
+    conn.execute(
+        sa.text(
+            "INSERT INTO enrichq.tenants (tenant, plan, priority) VALUES "
+            "('big', 'standard', 1), ('small', 'standard', 1), ('vip', 'priority', 2), "
+            "('cheap', 'free', 0)"
+        )
+    )
+    for i in range(5):
+        put(conn, cfg, f"big-{i}", tenant="big", delay_seconds=0)
+    put(conn, cfg, "small-0", tenant="small", delay_seconds=1)
+    put(conn, cfg, "cheap-0", tenant="cheap", delay_seconds=0)
+    put(conn, cfg, "none-0", delay_seconds=2)  # ownerless: the middle plan
+    put(conn, cfg, "vip-0", tenant="vip", delay_seconds=3)
+
+    order = [claim_one(conn, "w", now=10 + n).key for n in range(9)]
+    assert order == [
+        "vip-0",  # the top plan first, though its row is the youngest
+        "big-0",  # standard plan, nobody served yet: the oldest visible row
+        "small-0",  # big has been served once, small not yet
+        "none-0",  # ownerless work counts as the middle plan, not the bottom one
+        "big-1",
+        "big-2",
+        "big-3",
+        "big-4",
+        "cheap-0",  # the free plan waits until the standard plan's work is claimed
+    ]
+
+
+def test_fair_claims_alternate_between_tenants_of_one_plan(
+    conn: sa.Connection, cfg: Settings
+) -> None:
+    for i in range(6):
+        put(conn, cfg, f"big-{i}", tenant="big", delay_seconds=0)
+    for i in range(2):
+        put(conn, cfg, f"small-{i}", tenant="small", delay_seconds=5)
+    order = [claim_one(conn, "w", now=10 + n).key for n in range(6)]
+    # big was first (oldest, both unserved), then small is least served, and so on: the
+    # small tenant is not starved behind big's older backlog
+    assert order[:4] == ["big-0", "small-0", "big-1", "small-1"]
+    assert order[4:] == ["big-2", "big-3"]
+
+
+def test_in_flight_work_counts_as_served(conn: sa.Connection, cfg: Settings) -> None:
+    put(conn, cfg, "a-0", tenant="a", delay_seconds=0)
+    put(conn, cfg, "a-1", tenant="a", delay_seconds=0)
+    put(conn, cfg, "b-0", tenant="b", delay_seconds=1)
+    first = claim_one(conn, "w", now=5)  # a-0, still leased
+    second = claim_one(conn, "w", now=6)
+    assert (first.key, second.key) == ("a-0", "b-0")

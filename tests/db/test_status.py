@@ -1,0 +1,60 @@
+"""`enrichq status` reads what is in the queue."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import sqlalchemy as sa
+from tests.conftest import make_settings
+
+from enrichq_service import queue
+from enrichq_service.queue import EnqueueRequest
+from enrichq_service.status import collect
+
+
+def test_status_counts_by_kind_and_state(db_url: str, db_engine: sa.Engine) -> None:
+    cfg = make_settings(db_url, max_attempts=1)
+    with db_engine.begin() as conn:
+        queue.enqueue(conn, [EnqueueRequest.build(key=f"T-{i}") for i in range(4)], settings=cfg)
+        queue.enqueue(conn, [EnqueueRequest.build(key="R-1", kind="refresh")], settings=cfg)
+    with db_engine.begin() as conn:
+        a, b, _c = queue.claim(conn, kind="enrich", owner="w", limit=3, lease_seconds=60)
+        queue.complete(conn, owner="w", jobs=[a])
+        queue.retry(
+            conn, owner="w", failures=[(b, "x")], backoff_base_seconds=0, backoff_cap_seconds=0
+        )
+    with db_engine.connect() as conn:
+        report = collect(conn)
+    assert report.counts["enrich"] == {
+        "queued": 1,
+        "leased": 1,
+        "done": 1,
+        "failed": 0,
+        "dead_letter": 1,
+    }
+    assert report.counts["refresh"]["queued"] == 1
+    assert report.live_leases == 1
+    assert report.dead_letters == {"attempts_exhausted": 1}
+    assert report.oldest_visible_seconds["enrich"] >= 0
+
+    env = {"ENRICHQ_DATABASE_URL": db_url, "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "enrichq_service", "status", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=True,
+    )
+    assert json.loads(proc.stdout)["counts"]["enrich"]["done"] == 1
+    table = subprocess.run(
+        [sys.executable, "-m", "enrichq_service", "status"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=True,
+    )
+    assert "dead letters by reason: attempts_exhausted: 1" in table.stdout
