@@ -68,14 +68,11 @@ WITH RECURSIVE tenant_walk(tenant) AS (
     FROM tenant_walk AS w
     WHERE w.tenant IS NOT NULL
 ),
-clock AS (
-    SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
-),
 -- claims per tenant in the last day: at most 25 hourly buckets per tenant
 served AS (
     SELECT s.tenant, sum(s.served) AS served
-    FROM enrichq.tenant_served AS s, clock
-    WHERE s.kind = :kind AND s.bucket > clock.now - interval '1 day'
+    FROM enrichq.tenant_served AS s
+    WHERE s.kind = :kind AND s.bucket > coalesce(CAST(:now AS timestamptz), now()) - interval '1 day'
     GROUP BY s.tenant
 ),
 -- tenants with visible work, in claim order; the nested loop below visits them in this
@@ -83,7 +80,6 @@ served AS (
 ranked AS MATERIALIZED (
     SELECT w.tenant, v.priority, v.served, v.oldest
     FROM tenant_walk AS w
-    CROSS JOIN clock
     LEFT JOIN enrichq.tenants AS t ON t.tenant = w.tenant
     LEFT JOIN served AS s ON s.tenant = w.tenant
     CROSS JOIN LATERAL (
@@ -92,7 +88,7 @@ ranked AS MATERIALIZED (
                coalesce(s.served, 0) AS served,
                (SELECT q.visible_at FROM enrichq.queue AS q
                 WHERE q.state = 'queued' AND q.kind = :kind
-                  AND coalesce(q.tenant, '') = w.tenant AND q.visible_at <= clock.now
+                  AND coalesce(q.tenant, '') = w.tenant AND q.visible_at <= coalesce(CAST(:now AS timestamptz), now())
                 ORDER BY q.visible_at LIMIT 1) AS oldest
     ) AS v
     WHERE w.tenant IS NOT NULL AND v.oldest IS NOT NULL
@@ -103,14 +99,14 @@ picked AS (
     FROM ranked AS r
     CROSS JOIN LATERAL (
         SELECT q.id
-        FROM enrichq.queue AS q, clock
+        FROM enrichq.queue AS q
         WHERE q.state = 'queued' AND q.kind = :kind
           AND coalesce(q.tenant, '') = r.tenant
-          AND q.visible_at <= clock.now
+          AND q.visible_at <= coalesce(CAST(:now AS timestamptz), now())
           AND NOT EXISTS (
               SELECT 1 FROM enrichq.queue AS l
               WHERE l.state = 'leased' AND l.key = q.key
-                AND l.lease_expires_at > clock.now
+                AND l.lease_expires_at > coalesce(CAST(:now AS timestamptz), now())
           )
         ORDER BY q.visible_at
         LIMIT :limit
@@ -123,10 +119,10 @@ claimed AS (
     SET state = 'leased',
         attempts = q.attempts + 1,
         lease_owner = :owner,
-        lease_expires_at = clock.now + make_interval(secs => :lease_seconds),
-        heartbeat_at = clock.now,
-        updated_at = clock.now
-    FROM picked, clock
+        lease_expires_at = coalesce(CAST(:now AS timestamptz), now()) + make_interval(secs => :lease_seconds),
+        heartbeat_at = coalesce(CAST(:now AS timestamptz), now()),
+        updated_at = coalesce(CAST(:now AS timestamptz), now())
+    FROM picked
     WHERE q.id = picked.id
     RETURNING q.id, q.kind, q.key, q.tenant, q.reason, q.payload, q.attempts,
               q.max_attempts, q.lease_expires_at, q.created_at
@@ -134,8 +130,8 @@ claimed AS (
 -- count the claims for fairness (tenants in a fixed order: concurrent claims never deadlock)
 counted AS (
     INSERT INTO enrichq.tenant_served AS s (kind, tenant, bucket, served)
-    SELECT :kind, coalesce(c.tenant, ''), date_trunc('hour', clock.now), count(*)
-    FROM claimed AS c, clock
+    SELECT :kind, coalesce(c.tenant, ''), date_trunc('hour', coalesce(CAST(:now AS timestamptz), now())), count(*)
+    FROM claimed AS c
     GROUP BY 2, 3
     ORDER BY 2
     ON CONFLICT (kind, tenant, bucket) DO UPDATE SET served = s.served + excluded.served

@@ -1,0 +1,136 @@
+"""A small, realistic world for the demo and the tests: help desk, warehouse, legacy output.
+
+The default shapes of DESIGN §4. The legacy output carries the imperfections a parity
+review is for: tickets the legacy flow lost, partial results, and orders placed after the
+legacy lookup (drift, not a mismatch).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+
+import sqlalchemy as sa
+
+from enrichq_schema.queries import load
+
+SQL = load("enrichq_service", "sql/seed.sql")
+
+
+@dataclass(frozen=True, slots=True)
+class WorldSummary:
+    """What was seeded, and how many tickets carry each imperfection."""
+
+    tickets: int
+    customers: int
+    orders: int
+    legacy_rows: int
+    legacy_lost: int
+    legacy_partial: int
+    late_orders: int
+    no_orders: int
+    unknown_requester: int
+
+
+def create_external_tables(conn: sa.Connection) -> None:
+    """The help desk mirror, the warehouse and the legacy output (if they do not exist)."""
+    for name in SQL:
+        if name.startswith("seed_create_"):
+            conn.execute(SQL(name))
+
+
+def seed_world(
+    conn: sa.Connection,
+    *,
+    tickets: int,
+    seed: int = 7,
+    now: datetime | None = None,
+    age: timedelta = timedelta(days=2),
+    tenants: tuple[str, ...] = ("acme", "globex", "initech"),
+) -> WorldSummary:
+    """Seed `tickets` tickets created over the `age` before `now`, deterministically."""
+    rng = random.Random(seed)
+    now = now or datetime.now(UTC)
+    create_external_tables(conn)
+    customers = max(1, tickets * 2 // 3)
+    cust_rows = [
+        {"customer_id": f"C-{c:06d}", "email": f"customer{c}@example.com"} for c in range(customers)
+    ]
+    order_rows: list[dict[str, object]] = []
+    orders_of: dict[str, list[dict[str, object]]] = {}
+    for c in range(customers):
+        cid = f"C-{c:06d}"
+        for o in range(rng.choice((0, 1, 2, 3, 3, 4, 5))):
+            row = {
+                "order_id": f"O-{c:06d}-{o}",
+                "customer_id": cid,
+                "placed_at": now - age - timedelta(days=rng.randint(1, 400)),
+                "total": Decimal(rng.randint(500, 50_000)) / 100,
+            }
+            order_rows.append(row)
+            orders_of.setdefault(cid, []).append(row)
+    ticket_rows: list[dict[str, object]] = []
+    legacy_rows: list[dict[str, object]] = []
+    lost = partial = late = empty = unknown = 0
+    for t in range(tickets):
+        tid = f"T-{t:06d}"
+        created = now - age * rng.random() - timedelta(hours=1)
+        if rng.random() < 0.03:
+            email = f"stranger{t}@example.org"  # nobody in the warehouse: an empty result
+            unknown += 1
+            cid = None
+        else:
+            c = rng.randrange(customers)
+            email = f"Customer{c}@Example.com" if rng.random() < 0.1 else f"customer{c}@example.com"
+            cid = f"C-{c:06d}"
+        ticket_rows.append(
+            {
+                "id": tid,
+                "requester_email": email,
+                "tenant": rng.choice(tenants),
+                "created_at": created,
+                "updated_at": created + timedelta(minutes=rng.randint(0, 90)),
+            }
+        )
+        found = list(orders_of.get(cid, [])) if cid else []
+        if not found:
+            empty += 1
+        looked_up = created + timedelta(minutes=10)
+        roll = rng.random()
+        if roll < 0.02 and found:
+            lost += 1  # the legacy flow dropped this ticket entirely
+            continue
+        if roll < 0.04 and len(found) > 1:
+            partial += 1  # the legacy flow saved only some orders
+            found = found[: len(found) - 1]
+        if roll > 0.97 and cid:
+            late += 1  # an order placed after the legacy lookup: drift
+            row = {
+                "order_id": f"O-late-{t:06d}",
+                "customer_id": cid,
+                "placed_at": looked_up + timedelta(minutes=30),
+                "total": Decimal("19.99"),
+            }
+            order_rows.append(row)
+        legacy_rows.extend(
+            {"ticket_id": tid, "order_id": o["order_id"], "looked_up_at": looked_up} for o in found
+        )
+    conn.execute(SQL("seed_insert_customers"), cust_rows)
+    if order_rows:
+        conn.execute(SQL("seed_insert_orders"), order_rows)
+    conn.execute(SQL("seed_insert_tickets"), ticket_rows)
+    if legacy_rows:
+        conn.execute(SQL("seed_insert_legacy"), legacy_rows)
+    return WorldSummary(
+        tickets=tickets,
+        customers=customers,
+        orders=len(order_rows),
+        legacy_rows=len(legacy_rows),
+        legacy_lost=lost,
+        legacy_partial=partial,
+        late_orders=late,
+        no_orders=empty,
+        unknown_requester=unknown,
+    )
