@@ -182,14 +182,13 @@ class Worker:
                     log.warning("claim failed (%s); retrying", _one_line(exc))
                     self.stop.wait(backoff.next())
                     continue
-                if budget is not None and budget.exhausted and (drain or time_budget):
-                    # A cron-style run ends here; a long-running worker waits for the reset.
-                    result.stop_reason = StopReason.BUDGET_EXHAUSTED
-                    break
                 if claimed:
                     continue  # start again from the first stage
                 if drain and not self._held_count():
-                    result.stop_reason = StopReason.NO_WORK
+                    exhausted = budget is not None and budget.exhausted
+                    result.stop_reason = (
+                        StopReason.BUDGET_EXHAUSTED if exhausted else StopReason.NO_WORK
+                    )
                     break
                 self._wake.wait(self._idle_wait(budget))
                 self._wake.clear()
@@ -209,8 +208,10 @@ class Worker:
     def _claim_round(self, pool: ThreadPoolExecutor) -> tuple[bool, Budget | None]:
         """Claim one batch from the first stage that has work; dispatch it."""
         free = self.settings.concurrency - self._held_count()
+        # With the budget spent, work is still claimed: its handler defers it to the reset,
+        # so it stops counting as visible backlog instead of waiting in plain sight.
         budget = self._read_budget()
-        if free <= 0 or (budget is not None and budget.exhausted):
+        if free <= 0:
             return False, budget
         lease = self.settings.lease_seconds
         for kind in self.kinds:
@@ -237,9 +238,6 @@ class Worker:
                 wait = min(
                     wait, max(0.01, min(h.deadline for h in self._held.values()) - time.monotonic())
                 )
-        if budget is not None and budget.exhausted:
-            until_reset = (budget.resets_at - datetime.now(UTC)).total_seconds()
-            wait = max(wait, min(until_reset, 60.0))
         return wait
 
     def _held_count(self) -> int:
@@ -417,7 +415,10 @@ class Worker:
                 deferrals=[(s.held.job, s.until) for s in by_action[Action.DEFER]],
             )
             outcomes.update(dict.fromkeys(deferred, Outcome.DEFERRED))
-            log_lookups(conn, [s.lookup for s in group if s.lookup is not None], now=None)
+            lookups = [s.lookup for s in group if s.lookup is not None]
+            log_lookups(conn, lookups, now=None)
+        if any(x.bytes_billed for x in lookups):
+            self._budget_read_at = 0.0  # the ledger moved: read it again before the next job
         self._account(group, outcomes)
 
     def _account(self, group: Sequence[Settlement], outcomes: Mapping[int, Outcome]) -> None:
