@@ -40,6 +40,9 @@ class Context:
                 level=self._settings.log_level,
                 format="%(asctime)s %(levelname)s %(name)s: %(message)s",
             )
+            # Alembic narrates every migration step at INFO; operators want the outcome.
+            logging.getLogger("alembic").setLevel(logging.WARNING)
+            logging.getLogger("httpx").setLevel(logging.WARNING)
         return self._settings
 
     @contextlib.contextmanager

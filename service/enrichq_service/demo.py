@@ -1,0 +1,214 @@
+"""`enrichq demo`: the whole product in a minute on a fresh machine.
+
+Seeds a help desk, a warehouse and a legacy output with realistic imperfections in a
+database of its own (``enrichq_demo``, recreated each run), runs ``serve`` in shadow mode
+with shortened delays, posts every ticket as a signed webhook event, lets the worker
+enrich them, runs the sweeper once, and writes the parity report.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from pydantic import SecretStr
+
+from enrichq_schema.db import create_engine, migrate, normalize_url
+from enrichq_service.settings import Settings
+
+DEMO_DATABASE = "enrichq_demo"
+EVENTS_PER_REQUEST = 100
+REPORT_DIR = Path("enrichq-demo-report")
+
+
+def _recreate(url: str) -> str:
+    """A fresh, migrated `enrichq_demo` database on the server of `url`; its URL."""
+    admin = create_engine(url, isolation_level="AUTOCOMMIT", pool_size=1)
+    try:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f"DROP DATABASE IF EXISTS {DEMO_DATABASE} WITH (FORCE)"))
+            conn.execute(sa.text(f"CREATE DATABASE {DEMO_DATABASE}"))
+    finally:
+        admin.dispose()
+    demo_url = normalize_url(url).set(database=DEMO_DATABASE)
+    rendered = demo_url.render_as_string(hide_password=False)
+    migrate(rendered)
+    return rendered
+
+
+def run_demo(  # noqa: PLR0915 -- the demo is one story, told in order
+    settings: Settings, url: str, *, keep_running: bool, tickets: int
+) -> int:
+    """Run the demo; 0 when every ticket was enriched and a parity report was written."""
+    from rich.console import Console
+    from rich.panel import Panel
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from enrichq_parity.parity import run_cli as run_parity
+    from enrichq_service import seed
+    from enrichq_service.http import create_app, start_server_thread
+    from enrichq_service.observe import register_queue_collector, set_build_info
+    from enrichq_service.worker import Worker, build_engines, stop_on_signals
+    from enrichq_sweeper import recovery, refresh, retention
+
+    console = Console()
+    started = time.monotonic()
+    console.print("[bold]enrichq demo[/]: shadow run, parity report, in a database of its own")
+    demo_url = _recreate(url)
+    secret = secrets.token_hex(16)
+    demo = settings.model_copy(
+        update={
+            "database_url": demo_url,
+            "delay_created_seconds": 1.0,
+            "delay_updated_seconds": 1.0,
+            "lease_seconds": 10.0,
+            "heartbeat_seconds": 2.0,
+            "poll_seconds": 0.5,
+            "webhook_secret": SecretStr(secret),
+            "parity_grace_seconds": 60.0,
+        }
+    )
+    engine, warehouse = build_engines(demo, demo_url)
+    with engine.begin() as conn:
+        world = seed.seed_world(conn, tickets=tickets)
+        ticket_rows = conn.execute(
+            sa.text("SELECT id, tenant, created_at FROM helpdesk.tickets ORDER BY created_at")
+        ).all()
+    console.print(
+        f"seeded {world.tickets} tickets, {world.customers} customers, {world.orders} orders; "
+        f"the legacy flow lost {world.legacy_lost} tickets, saved {world.legacy_partial} "
+        f"partially, and missed {world.late_orders} orders placed after its lookup"
+    )
+
+    set_build_info()
+    register_queue_collector(engine)
+    worker = Worker(demo, engine, warehouse=warehouse)
+    port = settings.http_port if _port_free(settings.http_port) else 0
+    server = start_server_thread(create_app(demo, engine), host="127.0.0.1", port=port)
+    runner = threading.Thread(target=worker.run, name="enrichq-demo-worker", daemon=True)
+    runner.start()
+    try:
+        with Progress(
+            TextColumn("{task.description:<22}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            console=console,
+            transient=False,
+        ) as bar:
+            posted = bar.add_task("webhook events posted", total=len(ticket_rows))
+            _post_events(server.url, secret, ticket_rows, lambda n: bar.advance(posted, n))
+            enriched = bar.add_task("tickets enriched", total=len(ticket_rows))
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:
+                with engine.connect() as conn:
+                    done = conn.execute(
+                        sa.text("SELECT count(*) FROM enrichq.queue WHERE state = 'done'")
+                    ).scalar_one()
+                bar.update(enriched, completed=done)
+                if done >= len(ticket_rows):
+                    break
+                time.sleep(0.2)
+        recovered = recovery.run_once(engine)
+        pruned = retention.run_once(
+            engine,
+            retention_days=demo.retention_days,
+            dead_letter_retention_days=demo.dead_letter_retention_days,
+        )
+        refreshed = refresh.run_once(engine, demo)
+        console.print(
+            f"sweeper: {recovered.promoted} leases recovered, {pruned.pruned} rows pruned, "
+            f"{refreshed} refreshes enqueued"
+        )
+        REPORT_DIR.mkdir(exist_ok=True)
+        html, report_json = REPORT_DIR / "parity.html", REPORT_DIR / "parity.json"
+        now = datetime.now(UTC)
+        verdict = run_parity(
+            demo,
+            demo_url,
+            since=now - timedelta(days=3),
+            until=now,
+            json_path=report_json,
+            html_path=html,
+        )
+        metrics_url = f"{server.url}/metrics"
+        console.print(
+            Panel.fit(
+                f"[bold]{len(ticket_rows)} tickets[/] enriched in shadow mode in "
+                f"{time.monotonic() - started:.0f} s\n"
+                f"parity: {'[green]pass' if verdict == 0 else '[yellow]below the bar'}[/] "
+                "(the differences are the legacy flow's lost and partial tickets)\n"
+                f"report: [link]{html.resolve()}[/]  (JSON: {report_json})\n"
+                f"metrics: {metrics_url}"
+                + ("" if keep_running else " (stopped; use --keep-running to keep it up)")
+                + "\nexplore: run `enrichq demo --keep-running`, then in another shell "
+                f"ENRICHQ_DATABASE_URL='{normalize_url(demo_url).render_as_string()}' "
+                "enrichq status (or dlq list, parity, cutover)",
+                title="enrichq demo",
+            )
+        )
+        if keep_running:
+            console.print("serve and /metrics keep running; Ctrl-C stops them")
+            with stop_on_signals(worker.stop):
+                while not worker.stop.wait(1):
+                    pass
+    finally:
+        worker.stop.set()
+        runner.join(timeout=30)
+        server.stop()
+        engine.dispose()
+        if warehouse is not engine:
+            warehouse.dispose()
+    return 0
+
+
+def _post_events(
+    base_url: str, secret: str, tickets: Sequence[Any], advance: Callable[[int], None]
+) -> None:
+    """POST every ticket as a signed `created` event, EVENTS_PER_REQUEST at a time."""
+    import httpx
+
+    from enrichq_service.http import sign
+
+    with httpx.Client(base_url=base_url, timeout=30) as client:
+        for i in range(0, len(tickets), EVENTS_PER_REQUEST):
+            chunk = tickets[i : i + EVENTS_PER_REQUEST]
+            events = [
+                {
+                    "ticket_id": r.id,
+                    "type": "created",
+                    "tenant": r.tenant,
+                    "occurred_at": r.created_at.isoformat(),
+                }
+                for r in chunk
+            ]
+            body = json.dumps({"events": events}).encode()
+            stamp = str(int(time.time()))
+            response = client.post(
+                "/v1/events",
+                content=body,
+                headers={
+                    "Content-Type": "application/json",
+                    "X-Enrichq-Timestamp": stamp,
+                    "X-Enrichq-Signature": sign(secret, stamp, body),
+                },
+            )
+            response.raise_for_status()
+            advance(len(chunk))
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

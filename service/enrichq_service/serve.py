@@ -1,0 +1,58 @@
+"""`enrichq serve`: HTTP ingest, health and /metrics, and a worker, in one process."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import sqlalchemy as sa
+import sqlalchemy.exc as sa_exc
+
+from enrichq_schema.states import StopReason
+from enrichq_service.settings import Settings
+
+log = logging.getLogger(__name__)
+PARITY_EXPORT_SECONDS = 60.0
+
+
+def export_parity_gauges(engine: sa.Engine, stop: threading.Event) -> None:
+    """Keep the enrichq_parity_* gauges at the latest parity run until `stop` is set."""
+    from enrichq_parity.parity import export_latest
+
+    while True:
+        try:
+            with engine.connect() as conn:
+                export_latest(conn)
+        except sa_exc.DBAPIError as exc:
+            log.debug("parity gauges not refreshed: %s", exc)
+        if stop.wait(PARITY_EXPORT_SECONDS):
+            return
+
+
+def run_serve(settings: Settings, url: str) -> int:
+    """Serve HTTP on ENRICHQ_HTTP_PORT and work the queue until SIGTERM/SIGINT."""
+    from enrichq_service.http import create_app, start_server_thread
+    from enrichq_service.observe import register_queue_collector, set_build_info
+    from enrichq_service.worker import Worker, build_engines, stop_on_signals
+
+    engine, warehouse = build_engines(settings, url)
+    set_build_info()
+    register_queue_collector(engine)
+    worker = Worker(settings, engine, warehouse=warehouse)
+    server = start_server_thread(
+        create_app(settings, engine), host=settings.http_host, port=settings.http_port
+    )
+    log.info("serving HTTP on %s", server.url)
+    exporter = threading.Thread(
+        target=export_parity_gauges, args=(engine, worker.stop), daemon=True
+    )
+    exporter.start()
+    try:
+        with stop_on_signals(worker.stop):
+            result = worker.run()
+    finally:
+        server.stop()
+        engine.dispose()
+        if warehouse is not engine:
+            warehouse.dispose()
+    return 1 if result.stop_reason is StopReason.ERROR else 0
