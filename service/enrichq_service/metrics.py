@@ -96,10 +96,30 @@ parity_last_run_timestamp_seconds = Gauge(
     "enrichq_parity_last_run_timestamp_seconds", "Unix time the latest parity run finished."
 )
 
+observe_errors_total = Counter(
+    "enrichq_observe_errors_total",
+    "Scrape-time reads of the database gauges that failed (the scrape then has none).",
+)
+
 # Gauges read from the database at scrape time (see enrichq_service.observe):
 #   enrichq_queue_rows{kind,state}
+#   enrichq_queue_dead_letters{kind,reason}
 #   enrichq_queue_oldest_visible_age_seconds{kind}
-#   enrichq_queue_live_leases
+#   enrichq_queue_live_leases, enrichq_queue_expired_leases
 #   enrichq_queue_dead_tuples, enrichq_queue_last_autovacuum_timestamp_seconds
 #   enrichq_oldest_transaction_age_seconds
 #   enrichq_budget_bytes_billed_today
+
+
+def start_counters_at_zero(kinds: tuple[str, ...]) -> None:
+    """Create every labelled counter a worker can bump, at 0, so `increase()` sees the first."""
+    from enrichq_schema.states import Outcome
+
+    for kind in kinds:
+        for outcome in Outcome:
+            job_outcomes_total.labels(kind, outcome.value)
+        claims_total.labels(kind)
+    for operation in ("complete", "retry", "fail", "defer"):
+        fenced_writes_refused_total.labels(operation)
+    for status in ("ok", "empty", "not_found", "error", "deferred"):
+        lookups_total.labels(status)

@@ -144,6 +144,7 @@ class Worker:
         self._budget_read_at = 0.0
         self._result = RunResult()
         self._last_heartbeat = time.monotonic()
+        metrics.start_counters_at_zero(self.kinds)
 
     # -- the claim loop
 
