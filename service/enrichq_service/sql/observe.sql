@@ -68,3 +68,8 @@ WHERE datname = current_database() AND xact_start IS NOT NULL
 SELECT coalesce(sum(bytes_billed), 0) AS bytes_billed
 FROM enrichq.budget_ledger
 WHERE day = CAST(timezone('UTC', coalesce(CAST(:now AS timestamptz), now())) AS date);
+
+
+-- name: observe_statement_timeout
+-- Caps every statement of this transaction at :timeout (e.g. '2s') so a scrape never hangs.
+SELECT set_config('statement_timeout', :timeout, true);

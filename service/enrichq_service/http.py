@@ -1,0 +1,478 @@
+"""HTTP ingest ``POST /v1/events``, ``/healthz``, ``/readyz`` and ``/metrics`` (DESIGN §6).
+
+FastAPI and uvicorn are imported only here, so commands that serve no HTTP never load them.
+A request is checked in this order: size, signature, timestamp, body; then every event is
+enqueued in one transaction, or none is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import sqlalchemy as sa
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import REGISTRY
+from prometheus_client.exposition import choose_encoder
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+)
+from pydantic_core import from_json
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
+
+from enrichq_schema.db import current_revision, head_revision
+from enrichq_schema.states import KEY_MAX_LENGTH, Kind
+from enrichq_service import metrics, queue
+from enrichq_service.errors import ServiceError
+from enrichq_service.observe import register_queue_collector, set_build_info
+from enrichq_service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+TIMESTAMP_HEADER = "X-Enrichq-Timestamp"
+SIGNATURE_HEADER = "X-Enrichq-Signature"
+MAX_BATCH_EVENTS = 1000
+EVENT_RESULTS = ("accepted", "unauthorized", "stale", "too_large", "invalid", "unavailable")
+# RFC 3339 date-time: a date, a time and a zone; pydantic parses the values.
+_RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d{1,9})?([Zz]|[+-]\d{2}:\d{2})")
+_UNIX_SECONDS = re.compile(r"\d{1,12}")
+_SCHEMA_REF = "#/components/schemas/{model}"
+
+
+class Event(BaseModel):
+    """One help-desk ticket event."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ticket_id: str = Field(
+        min_length=1, max_length=KEY_MAX_LENGTH, description="The help desk's ticket id."
+    )
+    type: Literal["created", "updated"] = Field(description="What happened to the ticket.")
+    tenant: str | None = Field(
+        default=None, min_length=1, max_length=KEY_MAX_LENGTH, description="Brand or account."
+    )
+    occurred_at: AwareDatetime = Field(description="When it happened (RFC 3339, with a zone).")
+    payload: dict[str, Any] | None = Field(default=None, description="Kept on the queue row.")
+
+    @field_validator("ticket_id", "tenant")
+    @classmethod
+    def _not_blank(cls, value: str | None) -> str | None:
+        if value is not None and (not value.strip() or "\x00" in value):
+            raise ValueError("must not be blank or contain NUL characters")
+        return value
+
+    @field_validator("occurred_at", mode="before")
+    @classmethod
+    def _rfc3339(cls, value: object) -> object:
+        if not isinstance(value, str) or not _RFC3339.fullmatch(value):
+            raise ValueError("expected an RFC 3339 date-time such as 2024-05-01T12:00:00Z")
+        return value
+
+    @field_validator("payload")
+    @classmethod
+    def _plain_json(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        # 1e999 parses as infinity, which Postgres jsonb refuses: reject it here, as input.
+        try:
+            json.dumps(value, allow_nan=False)
+        except ValueError:
+            raise ValueError("numbers must be finite") from None
+        return value
+
+
+class EventBatch(BaseModel):
+    """Up to 1,000 events, enqueued all or none."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    events: list[Event] = Field(min_length=1, max_length=MAX_BATCH_EVENTS)
+
+
+class EventResult(BaseModel):
+    """What became of one event: a new queued row, or merged into the one already queued."""
+
+    ticket_id: str
+    inserted: bool
+    id: int | None
+
+
+class Accepted(BaseModel):
+    """Every event of the request is in the queue."""
+
+    accepted: int
+    inserted: int
+    merged: int
+    results: list[EventResult]
+
+
+class ErrorBody(BaseModel):
+    """Why a request was refused (one line)."""
+
+    detail: str
+
+
+class Health(BaseModel):
+    """The process (healthz) or the process and its database (readyz) can serve."""
+
+    status: str
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """A refused request: its status, the events_total result label and a one-line reason."""
+
+    status: int
+    result: str
+    detail: str
+
+
+def sign(secret: str, timestamp: int | str, body: bytes) -> str:
+    """The X-Enrichq-Signature of `body` sent at `timestamp` (hex HMAC-SHA256)."""
+    message = str(timestamp).encode("ascii") + b"." + body
+    return hmac.new(secret.encode("utf-8"), message, hashlib.sha256).hexdigest()
+
+
+def verify(
+    secret: str | None,
+    timestamp: str | None,
+    signature: str | None,
+    body: bytes,
+    *,
+    now: float,
+    tolerance_seconds: float,
+) -> Rejection | None:
+    """None when `signature` signs `body` at a `timestamp` within tolerance of `now`."""
+    if not secret:
+        return Rejection(
+            401,
+            "unauthorized",
+            "this service has no webhook secret (ENRICHQ_WEBHOOK_SECRET): it accepts no events",
+        )
+    if not timestamp or not signature:
+        return Rejection(
+            401, "unauthorized", f"missing {TIMESTAMP_HEADER} or {SIGNATURE_HEADER} header"
+        )
+    expected = sign(secret, timestamp.strip(), body) if timestamp.isascii() else ""
+    given = signature.strip().lower().encode("utf-8", "replace")
+    if not expected or not hmac.compare_digest(expected.encode("ascii"), given):
+        return Rejection(401, "unauthorized", "signature does not match")
+    if not _UNIX_SECONDS.fullmatch(timestamp.strip()):
+        return Rejection(401, "unauthorized", f"{TIMESTAMP_HEADER} must be unix seconds")
+    if abs(now - int(timestamp.strip())) > tolerance_seconds:
+        return Rejection(
+            401,
+            "stale",
+            f"timestamp outside the ±{tolerance_seconds:g} s tolerance (replayed or clock skew)",
+        )
+    return None
+
+
+def parse_events(body: bytes) -> list[Event] | Rejection:
+    """The events of a body (one event or a batch), or why it is invalid."""
+    try:
+        data = from_json(body, allow_inf_nan=False)
+    except ValueError as exc:
+        return _invalid(f"body is not valid JSON: {exc}")
+    try:
+        if isinstance(data, dict) and "events" in data:
+            return list(EventBatch.model_validate(data).events)
+        if isinstance(data, dict):
+            return [Event.model_validate(data)]
+    except ValidationError as exc:
+        return _invalid(describe_validation_error(exc))
+    return _invalid('body must be a JSON object: one event or {"events": [...]}')
+
+
+def to_requests(events: Sequence[Event]) -> list[queue.EnqueueRequest] | Rejection:
+    """The enqueue requests of valid events (the queue's own checks may still refuse one)."""
+    out: list[queue.EnqueueRequest] = []
+    for i, event in enumerate(events):
+        payload: dict[str, Any] = {"occurred_at": event.occurred_at.isoformat()}
+        if event.payload is not None:
+            payload["payload"] = event.payload
+        try:
+            out.append(
+                queue.EnqueueRequest.build(
+                    key=event.ticket_id,
+                    kind=Kind.ENRICH.value,
+                    reason=event.type,
+                    tenant=event.tenant,
+                    payload=payload,
+                )
+            )
+        except queue.QueueInputError as exc:
+            where = f"events[{i}]." if len(events) > 1 else ""
+            return _invalid(f"{where}{exc}")
+    return out
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """One line: the first error's location and message (never the input), and how many more."""
+    errors = exc.errors(include_input=False, include_url=False)
+    first = errors[0]
+    loc = ""
+    for part in first["loc"]:
+        loc += f"[{part}]" if isinstance(part, int) else (f".{part}" if loc else str(part))
+    message = " ".join(str(first["msg"]).removeprefix("Value error, ").split())
+    more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{loc}: {message}{more}" if loc else f"{message}{more}"
+
+
+def _invalid(detail: str) -> Rejection:
+    return Rejection(422, "invalid", " ".join(detail.split())[:500])
+
+
+def _refuse(rejection: Rejection) -> JSONResponse:
+    metrics.events_total.labels(rejection.result).inc()
+    return JSONResponse({"detail": rejection.detail}, status_code=rejection.status)
+
+
+async def _read_capped(request: Request, limit: int) -> bytes | None:
+    """The body, read chunk by chunk; None as soon as it grows past `limit` bytes."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _enqueue(
+    engine: sa.Engine, settings: Settings, requests: list[queue.EnqueueRequest]
+) -> list[queue.EnqueueResult] | Rejection:
+    """Enqueue every request in one transaction."""
+    try:
+        with engine.begin() as conn:
+            return queue.enqueue(conn, requests, settings=settings)
+    except sa.exc.DataError as exc:
+        # Input our checks let through and Postgres refused: the client's fault, not ours.
+        log.warning("the database refused an event: %s", type(exc.orig).__name__)
+        return _invalid("an event was refused by the database (invalid text or value)")
+    except sa.exc.SQLAlchemyError as exc:
+        # Connection lost, pool exhausted, schema missing: the client may retry later.
+        log.warning("enqueue failed: %s", type(getattr(exc, "orig", None) or exc).__name__)
+        return Rejection(503, "unavailable", "database unavailable; retry later")
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": ErrorBody, "description": "Missing, bad or stale signature."},
+    413: {"model": ErrorBody, "description": "Body larger than ENRICHQ_MAX_BODY_BYTES."},
+    422: {"model": ErrorBody, "description": "Not JSON, or not one event or a batch of them."},
+    503: {"model": ErrorBody, "description": "The database is unavailable; nothing enqueued."},
+}
+
+
+class _App(FastAPI):
+    """FastAPI, with the request body that the ingest route parses itself in its schema."""
+
+    def openapi(self) -> dict[str, Any]:
+        schema = super().openapi()
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        if "EventsBody" not in components:
+            body = TypeAdapter(Event | EventBatch).json_schema(ref_template=_SCHEMA_REF)
+            components.update(body.pop("$defs", {}))
+            body["description"] = "One event, or a batch of 1 to 1,000 events."
+            components["EventsBody"] = body
+        return schema
+
+
+def create_app(settings: Settings, engine: sa.Engine) -> FastAPI:
+    """The HTTP application: ingest, health, readiness and metrics over `engine`."""
+    version = set_build_info()
+    register_queue_collector(engine)
+    for result in EVENT_RESULTS:
+        metrics.events_total.labels(result)
+    secret = settings.webhook_secret.get_secret_value() if settings.webhook_secret else None
+    limit = settings.max_body_bytes
+    head = head_revision()
+
+    app = _App(
+        title="enrichq",
+        version=version,
+        description="Ticket events in, enrichment queued; health and Prometheus metrics.",
+    )
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = list(exc.errors())
+        first = errors[0] if errors else {}
+        loc = ".".join(str(p) for p in first.get("loc", ()))
+        message = " ".join(str(first.get("msg", "invalid request")).split())
+        return JSONResponse({"detail": f"{loc}: {message}" if loc else message}, status_code=422)
+
+    @app.post(
+        "/v1/events",
+        status_code=202,
+        response_model=Accepted,
+        responses={**_ERRORS},
+        summary="Enqueue one ticket event or a batch (signed)",
+        response_description="Every event is queued (inserted, or merged into a queued row).",
+        openapi_extra={
+            # Declared here, not as parameters: the route reads the headers and the raw body
+            # itself, after the size check, so a missing header is a 401 and not a 422.
+            "parameters": [
+                {
+                    "name": TIMESTAMP_HEADER,
+                    "in": "header",
+                    "required": True,
+                    "description": "Unix seconds when the request was signed.",
+                    "schema": {"type": "string", "pattern": "^[0-9]{1,12}$"},
+                },
+                {
+                    "name": SIGNATURE_HEADER,
+                    "in": "header",
+                    "required": True,
+                    "description": "Hex HMAC-SHA256 of '{timestamp}.{body}' keyed with "
+                    "ENRICHQ_WEBHOOK_SECRET.",
+                    "schema": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
+                },
+            ],
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": {"$ref": _SCHEMA_REF.format(model="EventsBody")}}
+                },
+            },
+        },
+    )
+    async def post_events(request: Request) -> Response:
+        """Verify the signature, validate every event, enqueue them all in one transaction."""
+        declared = request.headers.get("content-length", "")
+        too_large = Rejection(413, "too_large", f"body larger than {limit} bytes")
+        if declared.isdigit() and int(declared) > limit:
+            return _refuse(too_large)
+        try:
+            body = await _read_capped(request, limit)
+        except ClientDisconnect:
+            return JSONResponse({"detail": "client disconnected"}, status_code=400)
+        if body is None:
+            return _refuse(too_large)
+        rejection = verify(
+            secret,
+            request.headers.get(TIMESTAMP_HEADER),
+            request.headers.get(SIGNATURE_HEADER),
+            body,
+            now=time.time(),
+            tolerance_seconds=settings.webhook_tolerance_seconds,
+        )
+        if rejection is not None:
+            return _refuse(rejection)
+        events = parse_events(body)
+        if isinstance(events, Rejection):
+            return _refuse(events)
+        requests = to_requests(events)
+        if isinstance(requests, Rejection):
+            return _refuse(requests)
+        results = await run_in_threadpool(_enqueue, engine, settings, requests)
+        if isinstance(results, Rejection):
+            return _refuse(results)
+        inserted = sum(r.inserted for r in results)
+        metrics.events_total.labels("accepted").inc(len(results))
+        answer = Accepted(
+            accepted=len(results),
+            inserted=inserted,
+            merged=len(results) - inserted,
+            results=[
+                EventResult(ticket_id=e.ticket_id, inserted=r.inserted, id=r.id)
+                for e, r in zip(events, results, strict=True)
+            ],
+        )
+        return JSONResponse(jsonable_encoder(answer), status_code=202)
+
+    @app.get("/healthz", response_model=Health, summary="The process is alive (no database)")
+    async def healthz() -> Health:
+        return Health(status="ok")
+
+    @app.get(
+        "/readyz",
+        response_model=Health,
+        responses={503: {"model": ErrorBody, "description": "Database down or not migrated."}},
+        summary="The database answers and is migrated to this build's head",
+    )
+    def readyz() -> Response:
+        try:
+            with engine.connect() as conn:
+                revision = current_revision(conn)
+        except sa.exc.SQLAlchemyError as exc:
+            cause = type(getattr(exc, "orig", None) or exc).__name__
+            return JSONResponse({"detail": f"database unreachable ({cause})"}, status_code=503)
+        if revision != head:
+            return JSONResponse(
+                {
+                    "detail": f"database at migration {revision or 'none'}, this build needs "
+                    f"{head}: run `enrichq migrate`"
+                },
+                status_code=503,
+            )
+        return JSONResponse({"status": "ok"})
+
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        summary="Prometheus exposition (text format; OpenMetrics on request)",
+    )
+    def prometheus_metrics(request: Request) -> Response:
+        # Sync on purpose: the collector may query the database, so it runs in the threadpool.
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        return Response(encoder(REGISTRY), headers={"Content-Type": content_type})
+
+    return app
+
+
+@dataclass(frozen=True, slots=True)
+class ServerThread:
+    """A uvicorn server running in a thread of this process."""
+
+    server: uvicorn.Server
+    thread: threading.Thread
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Finish in-flight requests and stop."""
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+
+def start_server_thread(
+    app: FastAPI, *, host: str = "127.0.0.1", port: int = 0, timeout: float = 10.0
+) -> ServerThread:
+    """Serve `app` with uvicorn in a daemon thread; port 0 picks a free one."""
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", access_log=False, lifespan="off"
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="enrichq-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise ServiceError(f"the HTTP server did not start on {host}:{port}")
+        time.sleep(0.01)
+    bound = server.servers[0].sockets[0].getsockname()[1]
+    return ServerThread(server, thread, host, int(bound))

@@ -1,0 +1,298 @@
+"""Scrape-time database gauges (DESIGN §6, issue 7): queue depth, leases, vacuum, budget.
+
+The gauges are read from Postgres when Prometheus scrapes, through the named queries of
+``sql/observe.sql``, and cached for a few seconds so a scrape storm runs them once.
+
+What ``enrichq_queue_rows{kind,state}`` covers, and why:
+
+- ``queued`` and ``leased``: exact, counted through the open-row partial indexes (cheap
+  whatever the size of the history);
+- ``dead_letter``: exact, through the dead-letter partial index ``queue_dead_reason_idx``
+  (dead letters are few and an operator alerts on them);
+- ``done`` and ``failed`` are **omitted**: counting them walks the retained history (30
+  days of rows) on every scrape. Throughput comes from ``enrichq_job_outcomes_total``;
+  ``enrichq status`` gives the exact terminal counts on demand.
+
+Every known kind gets a zero sample for queued/leased/dead_letter and for each dead reason,
+so an alert on an absent series never silently passes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from importlib.metadata import PackageNotFoundError, version
+
+import sqlalchemy as sa
+from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from enrichq_schema.queries import load
+from enrichq_schema.states import DeadReason, Kind, State
+from enrichq_service import metrics
+
+log = logging.getLogger(__name__)
+
+SQL = load("enrichq_service", "sql/observe.sql")
+CACHE_SECONDS_DEFAULT = 5.0
+# A scrape must answer quickly even when the database is slow; Prometheus times out at 10 s.
+STATEMENT_TIMEOUT = "2s"
+ROW_STATES = (State.QUEUED.value, State.LEASED.value, State.DEAD_LETTER.value)
+
+
+@dataclass(frozen=True, slots=True)
+class QueueSnapshot:
+    """What one read of the database says; the source of every database gauge."""
+
+    rows: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    dead_letters: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    oldest_visible_age_seconds: Mapping[str, float] = field(default_factory=dict)
+    live_leases: int = 0
+    expired_leases: int = 0
+    dead_tuples: int | None = None
+    last_autovacuum_timestamp_seconds: float = 0.0
+    oldest_transaction_age_seconds: float = 0.0
+    budget_bytes_billed_today: int = 0
+
+
+def read_snapshot(conn: sa.Connection, *, now: datetime | None = None) -> QueueSnapshot:
+    """Run the observe queries on `conn` (the caller owns the transaction)."""
+    kinds = {k.value for k in Kind}
+    rows: dict[tuple[str, str], int] = {}
+    for kind, state, n in conn.execute(SQL("observe_open_counts")):
+        rows[(kind, state)] = int(n)
+        kinds.add(kind)
+    dead: dict[tuple[str, str], int] = {}
+    for kind, reason, n in conn.execute(SQL("observe_dead_letters_by_reason")):
+        dead[(kind, reason)] = int(n)
+        per_kind = (kind, State.DEAD_LETTER.value)
+        rows[per_kind] = rows.get(per_kind, 0) + int(n)
+        kinds.add(kind)
+    oldest: dict[str, float] = {}
+    for kind, age in conn.execute(SQL("observe_oldest_visible"), {"now": now}):
+        oldest[kind] = max(0.0, float(age))
+        kinds.add(kind)
+    # Zero-fill every kind the service knows, so absent series never hide a problem.
+    for kind in kinds:
+        for state in ROW_STATES:
+            rows.setdefault((kind, state), 0)
+        for reason in DeadReason:
+            dead.setdefault((kind, reason.value), 0)
+        oldest.setdefault(kind, 0.0)
+    leases = conn.execute(SQL("observe_leases"), {"now": now}).one()
+    vacuum = conn.execute(SQL("observe_vacuum")).one_or_none()
+    oldest_tx = conn.execute(SQL("observe_oldest_transaction")).scalar_one()
+    budget = conn.execute(SQL("observe_budget_today"), {"now": now}).scalar_one()
+    return QueueSnapshot(
+        rows=rows,
+        dead_letters=dead,
+        oldest_visible_age_seconds=oldest,
+        live_leases=int(leases.live),
+        expired_leases=int(leases.expired),
+        dead_tuples=None if vacuum is None else int(vacuum.dead_tuples),
+        last_autovacuum_timestamp_seconds=(
+            float(vacuum.last_vacuum_epoch)
+            if vacuum is not None and vacuum.last_vacuum_epoch is not None
+            else 0.0
+        ),
+        oldest_transaction_age_seconds=float(oldest_tx),
+        budget_bytes_billed_today=int(budget),
+    )
+
+
+def families(snapshot: QueueSnapshot) -> list[Metric]:
+    """The Prometheus metric families of a snapshot."""
+    rows = GaugeMetricFamily(
+        "enrichq_queue_rows",
+        "Queue rows by kind and state (queued/leased/dead_letter; done/failed not scraped).",
+        labels=["kind", "state"],
+    )
+    for (kind, state), n in sorted(snapshot.rows.items()):
+        rows.add_metric([kind, state], n)
+    dead = GaugeMetricFamily(
+        "enrichq_queue_dead_letters",
+        "Dead-letter rows by kind and reason.",
+        labels=["kind", "reason"],
+    )
+    for (kind, reason), n in sorted(snapshot.dead_letters.items()):
+        dead.add_metric([kind, reason], n)
+    oldest = GaugeMetricFamily(
+        "enrichq_queue_oldest_visible_age_seconds",
+        "Seconds since the oldest visible queued row became visible (0 when none).",
+        labels=["kind"],
+    )
+    for kind, age in sorted(snapshot.oldest_visible_age_seconds.items()):
+        oldest.add_metric([kind], age)
+    out: list[Metric] = [
+        rows,
+        dead,
+        oldest,
+        GaugeMetricFamily(
+            "enrichq_queue_live_leases", "Leased rows whose lease is live.", snapshot.live_leases
+        ),
+        GaugeMetricFamily(
+            "enrichq_queue_expired_leases",
+            "Leased rows whose lease expired (awaiting the sweeper).",
+            snapshot.expired_leases,
+        ),
+        GaugeMetricFamily(
+            "enrichq_queue_last_autovacuum_timestamp_seconds",
+            "Unix time of the last (auto)vacuum of the queue table (0 = never).",
+            snapshot.last_autovacuum_timestamp_seconds,
+        ),
+        GaugeMetricFamily(
+            "enrichq_oldest_transaction_age_seconds",
+            "Age of the oldest transaction holding back the vacuum horizon in this database.",
+            snapshot.oldest_transaction_age_seconds,
+        ),
+        GaugeMetricFamily(
+            "enrichq_budget_bytes_billed_today",
+            "Warehouse bytes billed on the current UTC day.",
+            snapshot.budget_bytes_billed_today,
+        ),
+    ]
+    if snapshot.dead_tuples is not None:
+        out.append(
+            GaugeMetricFamily(
+                "enrichq_queue_dead_tuples",
+                "Dead tuples in the queue table (pg_stat_user_tables.n_dead_tup).",
+                snapshot.dead_tuples,
+            )
+        )
+    return out
+
+
+class QueueCollector(Collector):
+    """Yields the database gauges, read at most once per `cache_seconds` (errors included)."""
+
+    def __init__(
+        self,
+        engine: sa.Engine,
+        cache_seconds: float = CACHE_SECONDS_DEFAULT,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._engine = engine
+        self.cache_seconds = cache_seconds
+        self._clock = clock
+        # Held while reading, so concurrent scrapes wait for one read instead of each reading.
+        self._lock = threading.Lock()
+        self._cached: QueueSnapshot | None = None
+        self._expires_at = float("-inf")
+
+    @property
+    def engine(self) -> sa.Engine:
+        return self._engine
+
+    def bind(self, engine: sa.Engine, cache_seconds: float | None = None) -> None:
+        """Read from `engine` from now on (and forget what was cached)."""
+        with self._lock:
+            self._engine = engine
+            if cache_seconds is not None:
+                self.cache_seconds = cache_seconds
+            self._cached = None
+            self._expires_at = float("-inf")
+
+    def describe(self) -> list[Metric]:
+        """The family names without reading the database (used at registration)."""
+        return families(QueueSnapshot(dead_tuples=0))
+
+    def collect(self) -> Iterator[Metric]:
+        """The gauges of a fresh or cached snapshot; nothing when the database failed."""
+        snapshot = self.snapshot()
+        if snapshot is not None:
+            yield from families(snapshot)
+
+    def snapshot(self) -> QueueSnapshot | None:
+        """The cached snapshot, read again when older than `cache_seconds`; None on error."""
+        with self._lock:
+            now = self._clock()
+            if now < self._expires_at:
+                return self._cached
+            try:
+                with self._engine.connect() as conn, conn.begin() as tx:
+                    conn.execute(SQL("observe_statement_timeout"), {"timeout": STATEMENT_TIMEOUT})
+                    snapshot: QueueSnapshot | None = read_snapshot(conn)
+                    tx.rollback()
+            except Exception as exc:
+                # A scrape must never fail on the database: count it, log it, yield no gauges.
+                metrics.observe_errors_total.inc()
+                log.warning(
+                    "reading the queue gauges failed: %s: %s",
+                    type(exc).__name__,
+                    str(exc).splitlines()[0] if str(exc) else "",
+                )
+                snapshot = None
+            # A failure is cached too: a storm of scrapes must not hammer a database in trouble.
+            self._cached = snapshot
+            self._expires_at = self._clock() + self.cache_seconds
+            return snapshot
+
+
+_registered: QueueCollector | None = None
+_register_lock = threading.Lock()
+
+
+def register_queue_collector(
+    engine: sa.Engine,
+    *,
+    cache_seconds: float = CACHE_SECONDS_DEFAULT,
+    registry: CollectorRegistry = REGISTRY,
+) -> QueueCollector:
+    """Register the process's one queue collector (a later call points it at `engine`)."""
+    global _registered  # noqa: PLW0603 -- one collector per process registry, by design
+    with _register_lock:
+        if registry is REGISTRY and _registered is not None:
+            _registered.bind(engine, cache_seconds)
+            return _registered
+        collector = QueueCollector(engine, cache_seconds)
+        registry.register(collector)
+        if registry is REGISTRY:
+            _registered = collector
+        return collector
+
+
+def set_build_info() -> str:
+    """Fill ``enrichq_build_info`` with the installed package version; returns it."""
+    try:
+        ver = version("enrichq")
+    except PackageNotFoundError:
+        ver = "unknown"
+    metrics.build_info.info({"version": ver})
+    return ver
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsServer:
+    """A running /metrics endpoint of a process without the HTTP server."""
+
+    port: int
+    _stop: Callable[[], None]
+
+    def stop(self) -> None:
+        """Stop serving and release the port."""
+        self._stop()
+
+
+def start_metrics_server(
+    port: int,
+    *,
+    addr: str = "0.0.0.0",  # noqa: S104 -- Prometheus scrapes the process from outside its container
+    registry: CollectorRegistry = REGISTRY,
+) -> MetricsServer | None:
+    """Serve /metrics on `port` in a daemon thread; port 0 means disabled (None)."""
+    if port == 0:
+        return None
+    httpd, thread = start_http_server(port, addr=addr, registry=registry)
+
+    def stop() -> None:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=5)
+
+    return MetricsServer(port=httpd.server_port, _stop=stop)
