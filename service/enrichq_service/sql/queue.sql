@@ -40,13 +40,15 @@ notified AS (
         WHERE visible_at <= coalesce(CAST(:now AS timestamptz), now())
     ) AS k
 )
-SELECT i.ord, i.kind, i.key, ins.id AS inserted_id, existing.id AS merged_id
+-- a merged input's row is found through the queued-key index, one probe per merge
+SELECT i.ord, i.kind, i.key, ins.id AS inserted_id,
+       CASE WHEN ins.id IS NULL THEN (
+           SELECT e.id FROM enrichq.queue AS e
+           WHERE e.state = 'queued' AND e.kind = i.kind AND e.key = i.key
+       ) END AS merged_id
 FROM input AS i
 CROSS JOIN notified
 LEFT JOIN inserted AS ins ON ins.kind = i.kind AND ins.key = i.key
-LEFT JOIN enrichq.queue AS existing
-    ON ins.id IS NULL AND existing.state = 'queued'
-    AND existing.kind = i.kind AND existing.key = i.key
 ORDER BY i.ord;
 
 
