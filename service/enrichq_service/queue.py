@@ -121,6 +121,7 @@ class Job:
     max_attempts: int
     lease_expires_at: datetime
     created_at: datetime
+    last_error: str | None = None  # why the previous attempt ended, if it did
 
 
 def delay_for(reason: str, settings: Settings) -> float:
@@ -206,6 +207,7 @@ def claim(
             max_attempts=r.max_attempts,
             lease_expires_at=r.lease_expires_at,
             created_at=r.created_at,
+            last_error=r.last_error,
         )
         for r in rows
     ]

@@ -55,6 +55,7 @@ from enrichq_service.enrich import (
     write_results,
 )
 from enrichq_service.errors import Deferral, PermanentError
+from enrichq_service.isolate import enrich_in_child, is_suspect
 from enrichq_service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -280,7 +281,16 @@ class Worker:
             context = EnrichContext(self.settings, self.warehouse, held.cancelled, held.deadline)
             lookup_start = time.perf_counter()
             try:
-                enrichment = self.enricher(held.ticket, context)
+                if is_suspect(job.attempts, job.last_error):
+                    # its last worker vanished mid-attempt: it may be what killed it
+                    enrichment = enrich_in_child(
+                        self.settings,
+                        self.warehouse.url.render_as_string(hide_password=False),
+                        held.ticket,
+                        timeout=max(1.0, held.deadline - time.monotonic()),
+                    )
+                else:
+                    enrichment = self.enricher(held.ticket, context)
             except Exception as exc:
                 status = "deferred" if isinstance(exc, Deferral) else "error"
                 lookup = self._lookup(held, None, lookup_start, status, _one_line(exc))
@@ -580,16 +590,18 @@ def stop_on_signals(stop: threading.Event) -> Iterator[None]:
 
 
 def build_engines(settings: Settings, url: str) -> tuple[sa.Engine, sa.Engine]:
-    """The queue engine and the warehouse engine (the same database unless configured)."""
+    """The queue engine and the warehouse engine.
+
+    The warehouse always gets a pool of its own, sized to the concurrency, even when it is
+    the same database: slow lookups must never hold the connections that claims,
+    heartbeats and settles need, or a slow warehouse would let leases expire.
+    """
     engine = create_engine(url, application_name="enrichq-worker", pool_size=4)
-    if settings.warehouse_url:
-        warehouse = create_engine(
-            settings.warehouse_url,
-            application_name="enrichq-warehouse",
-            pool_size=settings.concurrency,
-        )
-    else:
-        warehouse = engine
+    warehouse = create_engine(
+        settings.warehouse_url or url,
+        application_name="enrichq-warehouse",
+        pool_size=settings.concurrency,
+    )
     return engine, warehouse
 
 
@@ -613,7 +625,6 @@ def run_worker(
             result = worker.run(drain=drain, time_budget=time_budget)
     finally:
         engine.dispose()
-        if warehouse is not engine:
-            warehouse.dispose()
+        warehouse.dispose()
     log.info("worker stopped: %s %s", result.stop_reason.value, dict(result.counts))
     return 1 if result.stop_reason is StopReason.ERROR else 0

@@ -228,3 +228,41 @@ def test_database_restart_while_two_workers_drain(
         ]
     finally:
         engine.dispose()
+
+
+def test_a_suspect_that_crashes_its_process_costs_only_its_own_attempt(
+    db_url: str, db_engine: sa.Engine, tmp_path: Path
+) -> None:
+    keys = seed_and_enqueue(db_engine, 5)
+    with db_engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO helpdesk.tickets (id, requester_email) VALUES ('POISON', 'x@y.z');"
+                "INSERT INTO enrichq.queue (kind, key, reason, attempts, max_attempts, last_error)"
+                " VALUES ('enrich', 'POISON', 'manual', 1, 3, 'lease expired')"
+            )
+        )
+    worker = spawn(
+        ["worker", "--drain"],
+        enrichq_env(
+            db_url,
+            enricher="tests.support.enrichers:crash_on_poison",
+            backoff_base_seconds=0,
+            backoff_cap_seconds=0,
+        ),
+        log=tmp_path / "w.log",
+    )
+    # the poison's enrichment runs in a child process each time: the worker survives it
+    assert worker.wait(120) == 0
+    assert q(
+        db_engine, "SELECT state, dead_reason, attempts FROM enrichq.queue WHERE key = 'POISON'"
+    ) == [("dead_letter", "attempts_exhausted", 3)]
+    assert (
+        "isolated enrichment process died"
+        in q(db_engine, "SELECT last_error FROM enrichq.queue WHERE key = 'POISON'")[0][0]
+    )
+    assert q(
+        db_engine,
+        "SELECT count(*) FROM enrichq.queue WHERE state = 'done' AND attempts = 1 AND key = ANY(:k)",
+        k=keys,
+    ) == [(5,)]

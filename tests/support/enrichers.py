@@ -54,3 +54,13 @@ def sleepy_warehouse(ticket: Ticket, context: EnrichContext) -> Enrichment:
     """A slow warehouse: the lookup holds a warehouse connection for a while."""
     time.sleep(float(os.environ.get("ENRICHQ_TEST_SLOW_SECONDS", "0.2")))
     return warehouse_lookup(ticket, context)
+
+
+def slow_query(ticket: Ticket, context: EnrichContext) -> Enrichment:
+    """A slow warehouse: each lookup holds a warehouse connection in pg_sleep first."""
+    import sqlalchemy as sa
+
+    seconds = float(os.environ.get("ENRICHQ_TEST_SLOW_SECONDS", "1"))
+    with context.warehouse.connect() as conn:
+        conn.execute(sa.text("SELECT pg_sleep(:s)"), {"s": seconds})
+    return warehouse_lookup(ticket, context)

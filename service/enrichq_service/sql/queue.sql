@@ -127,7 +127,7 @@ claimed AS (
     FROM picked
     WHERE q.id = picked.id
     RETURNING q.id, q.kind, q.key, q.tenant, q.reason, q.payload, q.attempts,
-              q.max_attempts, q.lease_expires_at, q.created_at
+              q.max_attempts, q.lease_expires_at, q.created_at, q.last_error
 ),
 -- count the claims for fairness (tenants in a fixed order: concurrent claims never deadlock)
 counted AS (
