@@ -87,7 +87,7 @@ def run_demo(  # noqa: PLR0915 -- the demo is one story, told in order
         f"partially, and missed {world.late_orders} orders placed after its lookup"
     )
 
-    set_build_info()
+    set_build_info(settings.mode.value)
     register_queue_collector(engine)
     worker = Worker(demo, engine, warehouse=warehouse)
     port = settings.http_port if _port_free(settings.http_port) else 0
@@ -163,8 +163,7 @@ def run_demo(  # noqa: PLR0915 -- the demo is one story, told in order
         runner.join(timeout=30)
         server.stop()
         engine.dispose()
-        if warehouse is not engine:
-            warehouse.dispose()
+        warehouse.dispose()
     return 0
 
 

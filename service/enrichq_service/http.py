@@ -298,7 +298,7 @@ class _App(FastAPI):
 
 def create_app(settings: Settings, engine: sa.Engine) -> FastAPI:
     """The HTTP application: ingest, health, readiness and metrics over `engine`."""
-    version = set_build_info()
+    version = set_build_info(settings.mode.value)
     register_queue_collector(engine)
     for result in EVENT_RESULTS:
         metrics.events_total.labels(result)

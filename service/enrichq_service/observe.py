@@ -257,13 +257,13 @@ def register_queue_collector(
         return collector
 
 
-def set_build_info() -> str:
-    """Fill ``enrichq_build_info`` with the installed package version; returns it."""
+def set_build_info(mode: str = "shadow") -> str:
+    """Fill ``enrichq_build_info`` with the package version and the mode; the version."""
     try:
         ver = version("enrichq")
     except PackageNotFoundError:
         ver = "unknown"
-    metrics.build_info.info({"version": ver})
+    metrics.build_info.info({"version": ver, "mode": mode})
     return ver
 
 

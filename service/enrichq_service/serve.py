@@ -36,7 +36,7 @@ def run_serve(settings: Settings, url: str) -> int:
     from enrichq_service.worker import Worker, build_engines, stop_on_signals
 
     engine, warehouse = build_engines(settings, url)
-    set_build_info()
+    set_build_info(settings.mode.value)
     register_queue_collector(engine)
     worker = Worker(settings, engine, warehouse=warehouse)
     server = start_server_thread(
@@ -53,6 +53,5 @@ def run_serve(settings: Settings, url: str) -> int:
     finally:
         server.stop()
         engine.dispose()
-        if warehouse is not engine:
-            warehouse.dispose()
+        warehouse.dispose()
     return 1 if result.stop_reason is StopReason.ERROR else 0

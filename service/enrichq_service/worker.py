@@ -617,7 +617,7 @@ def run_worker(
 
     engine, warehouse = build_engines(settings, url)
     worker = Worker(settings, engine, warehouse=warehouse)
-    set_build_info()
+    set_build_info(settings.mode.value)
     register_queue_collector(engine)
     start_metrics_server(settings.metrics_port)
     try:
