@@ -37,13 +37,21 @@ def create_engine(
     application_name: str = "enrichq",
     pool_size: int = 5,
     statement_timeout_seconds: float | None = None,
+    idle_in_transaction_timeout_seconds: float | None = None,
     isolation_level: str | None = None,
 ) -> sa.Engine:
-    """An engine whose pool checks connections before use, so a restarted server is survived."""
+    """An engine whose pool checks connections before use, so a restarted server is survived.
+
+    `idle_in_transaction_timeout_seconds` makes the server end a session whose transaction
+    sits idle that long: a frozen process must not hold row locks that others wait on.
+    """
     parsed = normalize_url(url)
     options: list[str] = []
     if statement_timeout_seconds is not None:
         options.append(f"-c statement_timeout={int(statement_timeout_seconds * 1000)}")
+    if idle_in_transaction_timeout_seconds is not None:
+        ms = int(idle_in_transaction_timeout_seconds * 1000)
+        options.append(f"-c idle_in_transaction_session_timeout={ms}")
     connect_args: dict[str, object] = {"application_name": application_name}
     if options:
         connect_args["options"] = " ".join(options)

@@ -596,7 +596,16 @@ def build_engines(settings: Settings, url: str) -> tuple[sa.Engine, sa.Engine]:
     the same database: slow lookups must never hold the connections that claims,
     heartbeats and settles need, or a slow warehouse would let leases expire.
     """
-    engine = create_engine(url, application_name="enrichq-worker", pool_size=4)
+    # A worker frozen mid-transaction (SIGSTOP, a VM pause) would hold the row locks of its
+    # claim or settle, and the sweeper would wait on them: the server ends such a session
+    # after one lease, the time after which its work is someone else's anyway.
+    engine = create_engine(
+        url,
+        application_name="enrichq-worker",
+        pool_size=4,
+        statement_timeout_seconds=settings.statement_timeout_seconds,
+        idle_in_transaction_timeout_seconds=settings.lease_seconds,
+    )
     warehouse = create_engine(
         settings.warehouse_url or url,
         application_name="enrichq-warehouse",

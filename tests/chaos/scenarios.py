@@ -1,0 +1,501 @@
+"""Fault-injection scenarios with real processes, shared by the tests and the report.
+
+Each scenario seeds a world, enqueues every ticket, runs several `enrichq worker`
+processes and an `enrichq sweep` with a short lease, injects its fault, waits until the
+queue is quiet, and returns what happened. `check()` then holds it to the promise: every
+ticket done with exactly its expected orders, each ticket's result written once, by the
+attempt that held the lease, and the queue's invariants intact.
+
+A trigger on `enrichq.ticket_enrichments` (installed only in the scenario's database)
+records every result write, so a second write for a ticket cannot go unseen.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from enrichq_schema.db import create_engine
+from enrichq_service import queue, seed
+from enrichq_service.queue import EnqueueRequest
+from tests.conftest import make_settings
+from tests.support.procs import enrichq_env, spawn, stop, wait_for
+
+AUDIT = """
+CREATE TABLE IF NOT EXISTS public.result_writes (
+    ticket_id text NOT NULL, queue_id bigint NOT NULL, at timestamptz NOT NULL DEFAULT now()
+);
+CREATE OR REPLACE FUNCTION public.audit_result_write() RETURNS trigger AS $$
+BEGIN
+    INSERT INTO public.result_writes (ticket_id, queue_id) VALUES (NEW.ticket_id, NEW.queue_id);
+    RETURN NEW;
+END $$ LANGUAGE plpgsql;
+DROP TRIGGER IF EXISTS audit_result_write ON enrichq.ticket_enrichments;
+CREATE TRIGGER audit_result_write AFTER INSERT OR UPDATE ON enrichq.ticket_enrichments
+    FOR EACH ROW EXECUTE FUNCTION public.audit_result_write();
+"""
+
+FAST = {
+    "lease_seconds": 3,
+    "heartbeat_seconds": 0.5,
+    "poll_seconds": 0.2,
+    "sweep_interval_seconds": 0.5,
+    "backoff_base_seconds": 0.2,
+    "backoff_cap_seconds": 1,
+    "max_attempts": 10,
+    "concurrency": 8,
+}
+
+
+@dataclass
+class Outcome:
+    """What one scenario did and what it found."""
+
+    name: str
+    tickets: int
+    faults: int = 0
+    seconds: float = 0.0
+    recover_seconds: list[float] = field(default_factory=list)
+    lost: int = 0
+    duplicate_writes: int = 0
+    fenced: int = 0
+    not_done: int = 0
+    wrong_orders: int = 0
+    dead_letters: int = 0
+    notes: str = ""
+
+    @property
+    def time_to_recover(self) -> float:
+        return max(self.recover_seconds, default=0.0)
+
+
+def q(engine: sa.Engine, sql: str, **params: Any) -> list[tuple[Any, ...]]:
+    with engine.connect() as conn:
+        return [tuple(r) for r in conn.execute(sa.text(sql), params)]
+
+
+def prepare(
+    engine: sa.Engine,
+    tickets: int,
+    *,
+    extra_keys: tuple[str, ...] = (),
+    max_attempts: int = int(FAST["max_attempts"]),
+) -> list[str]:
+    """Seed the world, install the audit trigger and enqueue every ticket; the keys."""
+    cfg = make_settings(str(engine.url), max_attempts=max_attempts)
+    with engine.begin() as conn:
+        seed.seed_world(conn, tickets=tickets)
+        for key in extra_keys:
+            conn.execute(
+                sa.text(
+                    "INSERT INTO helpdesk.tickets (id, requester_email, tenant) "
+                    "VALUES (:k, 'nobody@example.org', 'acme')"
+                ),
+                {"k": key},
+            )
+        conn.execute(sa.text(AUDIT))
+        keys = [r[0] for r in conn.execute(sa.text("SELECT id FROM helpdesk.tickets ORDER BY id"))]
+        queue.enqueue(conn, [EnqueueRequest.build(key=k) for k in keys], settings=cfg)
+    return keys
+
+
+class Fleet:
+    """Worker and sweeper processes of one scenario, restartable."""
+
+    def __init__(self, db_url: str, logs: Path, *, workers: int = 3, **settings: Any) -> None:
+        self.env = enrichq_env(db_url, **{**FAST, **settings})
+        self.logs = logs
+        self.workers: list[subprocess.Popen[bytes]] = []
+        self.sweeper: subprocess.Popen[bytes] | None = None
+        self._n = 0
+        for _ in range(workers):
+            self.workers.append(self.start_worker())
+
+    def start_worker(self) -> subprocess.Popen[bytes]:
+        self._n += 1
+        return spawn(["worker"], self.env, log=self.logs / f"worker-{self._n}.log")
+
+    def start_sweeper(self) -> None:
+        self._n += 1
+        self.sweeper = spawn(["sweep"], self.env, log=self.logs / f"sweep-{self._n}.log")
+
+    def revive(self) -> int:
+        """Restart workers that died on their own (a poison ticket); how many."""
+        revived = 0
+        for i, w in enumerate(self.workers):
+            if w.poll() is not None:
+                self.workers[i] = self.start_worker()
+                revived += 1
+        return revived
+
+    def stop_all(self) -> None:
+        for p in [*self.workers, self.sweeper]:
+            if p is not None:
+                if p.poll() is None:
+                    os.kill(p.pid, signal.SIGCONT)
+                stop(p)
+
+
+@contextmanager
+def fleet(db_url: str, logs: Path, **kw: Any) -> Iterator[Fleet]:
+    f = Fleet(db_url, logs, **kw)
+    try:
+        yield f
+    finally:
+        f.stop_all()
+
+
+def quiet(engine: sa.Engine) -> bool:
+    """No queued or leased row left."""
+    return q(
+        engine,
+        "SELECT count(*) FROM enrichq.queue WHERE state = 'queued' OR state = 'leased'",
+    ) == [(0,)]
+
+
+def drained(engine: sa.Engine, fleet: Fleet | None = None, timeout: float = 240) -> None:
+    def check() -> bool:
+        if fleet is not None:
+            fleet.revive()
+        return quiet(engine)
+
+    wait_for(check, timeout=timeout, interval=0.25, what="the queue to drain")
+
+
+def check(engine: sa.Engine, outcome: Outcome, *, poison: tuple[str, ...] = ()) -> Outcome:
+    """Measure the promise: nothing lost, nothing written twice, invariants intact."""
+    skip = list(poison)
+    outcome.not_done = q(
+        engine,
+        "SELECT count(*) FROM helpdesk.tickets t WHERE t.id <> ALL(:skip) AND NOT EXISTS ("
+        " SELECT 1 FROM enrichq.queue WHERE key = t.id AND state = 'done')",
+        skip=skip,
+    )[0][0]
+    outcome.lost = q(
+        engine,
+        "SELECT count(*) FROM helpdesk.tickets t WHERE t.id <> ALL(:skip) AND NOT EXISTS ("
+        " SELECT 1 FROM enrichq.ticket_enrichments e WHERE e.ticket_id = t.id)",
+        skip=skip,
+    )[0][0]
+    outcome.duplicate_writes = q(
+        engine,
+        "SELECT coalesce(sum(n - 1), 0) FROM (SELECT count(*) AS n FROM public.result_writes "
+        "GROUP BY ticket_id) AS w",
+    )[0][0]
+    # the written result must come from the queue row that completed
+    outcome.wrong_orders = q(
+        engine,
+        "WITH expected AS ("
+        " SELECT t.id AS ticket_id, o.order_id FROM helpdesk.tickets t"
+        " JOIN warehouse.customers c ON lower(c.email) = lower(t.requester_email)"
+        " JOIN warehouse.orders o ON o.customer_id = c.customer_id"
+        " WHERE t.id <> ALL(:skip)),"
+        " got AS (SELECT ticket_id, order_id FROM enrichq.ticket_orders)"
+        " SELECT count(*) FROM ((SELECT * FROM expected EXCEPT SELECT * FROM got)"
+        " UNION ALL (SELECT * FROM got EXCEPT SELECT * FROM expected)) AS d",
+        skip=skip,
+    )[0][0]
+    outcome.wrong_orders += q(
+        engine,
+        "SELECT count(*) FROM enrichq.ticket_enrichments e WHERE NOT EXISTS ("
+        " SELECT 1 FROM enrichq.queue d WHERE d.id = e.queue_id AND d.state = 'done'"
+        " AND d.key = e.ticket_id)",
+    )[0][0]
+    # lookups whose result did not land: their settle was refused or dropped by fencing
+    outcome.fenced = q(
+        engine,
+        "SELECT count(*) FROM enrichq.lookup_log l WHERE l.status IN ('ok', 'empty') AND NOT "
+        "EXISTS (SELECT 1 FROM enrichq.queue d WHERE d.id = l.queue_id AND d.state = 'done' "
+        "AND d.attempts = l.attempt)",
+    )[0][0]
+    outcome.dead_letters = q(
+        engine, "SELECT count(*) FROM enrichq.queue WHERE state = 'dead_letter'"
+    )[0][0]
+    violations = q(
+        engine,
+        "SELECT (SELECT count(*) FROM (SELECT key FROM enrichq.queue WHERE state = 'queued'"
+        " GROUP BY kind, key HAVING count(*) > 1) a)"
+        " + (SELECT count(*) FROM (SELECT key FROM enrichq.queue WHERE state = 'leased'"
+        " AND lease_expires_at > now() GROUP BY key HAVING count(*) > 1) b)"
+        " + (SELECT count(*) FROM enrichq.queue WHERE attempts > max_attempts)",
+    )[0][0]
+    assert violations == 0, f"{violations} queue invariant violations"
+    return outcome
+
+
+# -- the scenarios
+
+
+def kill_9(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outcome:
+    """Workers killed with SIGKILL at random moments, repeatedly, and restarted."""
+    engine = create_engine(db_url)
+    out = Outcome("kill -9 workers, restart", tickets)
+    try:
+        prepare(engine, tickets)
+        start = time.monotonic()
+        with fleet(db_url, logs) as f:
+            f.start_sweeper()
+            while not quiet(engine) and time.monotonic() - start < 240:
+                time.sleep(rng.uniform(0.3, 1.2))
+                i = rng.randrange(len(f.workers))
+                f.workers[i].kill()
+                f.workers[i].wait(10)
+                out.faults += 1
+                f.workers[i] = f.start_worker()
+            fault_end = time.monotonic()
+            drained(engine, f)
+            out.recover_seconds.append(time.monotonic() - fault_end)
+        out.seconds = time.monotonic() - start
+        return check(engine, out)
+    finally:
+        engine.dispose()
+
+
+def freeze(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outcome:
+    """A worker frozen (SIGSTOP) past its lease, resumed after the others finished its rows."""
+    engine = create_engine(db_url)
+    out = Outcome("SIGSTOP past the lease, resume", tickets)
+    try:
+        prepare(engine, tickets)
+        start = time.monotonic()
+        with fleet(
+            db_url,
+            logs,
+            enricher="tests.support.enrichers:sleepy_warehouse",
+            ENRICHQ_TEST_SLOW_SECONDS=0.05,
+        ) as f:
+            f.start_sweeper()
+            victim = f.workers[0]
+            wait_for(
+                lambda: (
+                    q(engine, "SELECT count(*) FROM enrichq.queue WHERE state = 'done'")[0][0]
+                    > tickets // 10
+                ),
+                timeout=120,
+                what="a tenth done",
+            )
+            os.kill(victim.pid, signal.SIGSTOP)
+            out.faults += 1
+            frozen_at = time.monotonic()
+            drained(engine, None)
+            out.recover_seconds.append(time.monotonic() - frozen_at)
+            os.kill(victim.pid, signal.SIGCONT)
+            time.sleep(FAST["lease_seconds"])  # let the resumed worker try its late settles
+            drained(engine, f)
+        out.seconds = time.monotonic() - start
+        return check(engine, out)
+    finally:
+        engine.dispose()
+
+
+def terminate_storm(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outcome:
+    """A storm of pg_terminate_backend on the workers' connections."""
+    engine = create_engine(db_url)
+    out = Outcome("pg_terminate_backend storm", tickets)
+    try:
+        prepare(engine, tickets)
+        start = time.monotonic()
+        db = sa.engine.make_url(db_url).database
+        with fleet(db_url, logs) as f:
+            f.start_sweeper()
+            last = time.monotonic()
+            while not quiet(engine) and time.monotonic() - start < 240:
+                time.sleep(rng.uniform(0.1, 0.5))
+                killed = q(
+                    engine,
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE datname = :db AND pid <> pg_backend_pid() "
+                    "AND application_name LIKE 'enrichq-worker%'",
+                    db=db,
+                )[0][0]
+                out.faults += killed
+                last = time.monotonic()
+            drained(engine, f)
+            out.recover_seconds.append(time.monotonic() - last)
+        out.seconds = time.monotonic() - start
+        return check(engine, out)
+    finally:
+        engine.dispose()
+
+
+def slow_warehouse(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outcome:
+    """A warehouse so slow that every lookup outlives the claim loop many times over."""
+    engine = create_engine(db_url)
+    out = Outcome("slow warehouse holding its pool", tickets)
+    try:
+        prepare(engine, tickets)
+        start = time.monotonic()
+        with fleet(
+            db_url,
+            logs,
+            workers=2,
+            enricher="tests.support.enrichers:slow_query",
+            ENRICHQ_TEST_SLOW_SECONDS=1.5,
+            concurrency=16,
+        ) as f:
+            f.start_sweeper()
+            drained(engine, f, timeout=400)
+        out.seconds = time.monotonic() - start
+        out.faults = tickets
+        # heartbeats kept every lease alive: nothing was claimed twice
+        out.notes = "claims beyond the first: " + str(
+            q(engine, "SELECT coalesce(sum(attempts - 1), 0) FROM enrichq.queue")[0][0]
+        )
+        return check(engine, out)
+    finally:
+        engine.dispose()
+
+
+def poison(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outcome:
+    """A ticket whose enrichment kills the process every time."""
+    engine = create_engine(db_url)
+    out = Outcome("poison ticket crashes its worker", tickets)
+    try:
+        prepare(engine, tickets, extra_keys=("POISON",), max_attempts=3)
+        start = time.monotonic()
+        with fleet(
+            db_url, logs, enricher="tests.support.enrichers:crash_on_poison", max_attempts=3
+        ) as f:
+            f.start_sweeper()
+
+            def settled() -> bool:
+                out.faults += f.revive()
+                return quiet(engine)
+
+            wait_for(settled, timeout=240, interval=0.25, what="the queue to drain")
+        out.seconds = time.monotonic() - start
+        row = q(
+            engine, "SELECT state, dead_reason, attempts FROM enrichq.queue WHERE key = 'POISON'"
+        )
+        out.notes = f"POISON: {row}"
+        return check(engine, out, poison=("POISON",))
+    finally:
+        engine.dispose()
+
+
+def db_restart(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outcome:
+    """PostgreSQL restarted mid-run (a server of the scenario's own; `db_url` is unused)."""
+    import shutil
+    import tempfile
+
+    from enrichq_schema.db import ensure_database, migrate
+    from enrichq_schema.embedded import EmbeddedPostgres
+
+    base = Path(tempfile.mkdtemp(prefix="enrichq-chaos-pg-", dir="/tmp"))
+    base.chmod(0o711)
+    server = EmbeddedPostgres(base, port=5434)
+    out = Outcome("PostgreSQL restarted mid-run", tickets)
+    try:
+        url = ensure_database(server.start(), "enrichq")
+        migrate(url)
+        engine = create_engine(url)
+        try:
+            prepare(engine, tickets)
+            start = time.monotonic()
+            with fleet(url, logs) as f:
+                f.start_sweeper()
+                done = "SELECT count(*) FROM enrichq.queue WHERE state = 'done'"
+                for fraction in (0.2, 0.6):
+                    target = tickets * fraction
+                    wait_for(
+                        lambda t=target: q(engine, done)[0][0] >= t,  # type: ignore[misc]
+                        timeout=240,
+                        what=f"{fraction:.0%} done",
+                    )
+                    server.stop()
+                    time.sleep(rng.uniform(0.5, 2.0))
+                    server.start()
+                    out.faults += 1
+                    back = time.monotonic()
+                drained(engine, f)
+                out.recover_seconds.append(time.monotonic() - back)
+            out.seconds = time.monotonic() - start
+            return check(engine, out)
+        finally:
+            engine.dispose()
+    finally:
+        server.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def sweeper_killed(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outcome:
+    """The sweeper killed mid-pass over many expired leases; the next pass finishes."""
+    engine = create_engine(db_url)
+    rows = tickets * 10
+    keys = max(1, rows // 3)
+    out = Outcome("sweeper kill -9 mid-pass", rows)
+    try:
+        with engine.begin() as conn:
+            seed.create_external_tables(conn)  # the refresh pass reads the ticket mirror
+            conn.execute(
+                sa.text(
+                    "INSERT INTO enrichq.queue (kind, key, reason, state, attempts, max_attempts,"
+                    " lease_owner, lease_expires_at, visible_at)"
+                    " SELECT 'enrich', 'K-' || (g % :keys), 'manual', 'leased', 1, 5, 'gone',"
+                    " now() - interval '1 minute', now() - interval '2 minutes'"
+                    " FROM generate_series(1, :rows) AS g"
+                ),
+                {"keys": keys, "rows": rows},
+            )
+        start = time.monotonic()
+        env = enrichq_env(db_url, sweep_interval_seconds=3600, **{"ENRICHQ_LOG_LEVEL": "INFO"})
+        first = spawn(["sweep"], env, log=logs / "sweep-1.log")
+        wait_for(
+            lambda: (
+                q(engine, "SELECT count(*) FROM enrichq.queue WHERE state <> 'leased'")[0][0] > 0
+            ),
+            timeout=60,
+            interval=0.01,
+            what="the first batch",
+        )
+        first.kill()
+        first.wait(10)
+        out.faults = 1
+        partial = q(engine, "SELECT count(*) FROM enrichq.queue WHERE state = 'leased'")[0][0]
+        killed_at = time.monotonic()
+        second = spawn(["sweep", "--once"], env, log=logs / "sweep-2.log")
+        assert second.wait(120) == 0
+        out.recover_seconds.append(time.monotonic() - killed_at)
+        out.seconds = time.monotonic() - start
+        out.notes = f"{partial} of {rows} leases were still expired when the first sweeper died"
+        out.lost = q(
+            engine,
+            "SELECT count(*) FROM (SELECT key FROM enrichq.queue GROUP BY key"
+            " HAVING count(*) FILTER (WHERE state = 'queued') <> 1) AS k",
+        )[0][0]
+        out.not_done = q(engine, "SELECT count(*) FROM enrichq.queue WHERE state = 'leased'")[0][0]
+        # the newest row of each key is the queued one; every other row points at it
+        out.wrong_orders = q(
+            engine,
+            "SELECT count(*) FROM enrichq.queue d JOIN enrichq.queue n"
+            " ON n.key = d.key AND n.state = 'queued'"
+            " WHERE d.state = 'dead_letter' AND (d.superseded_by IS DISTINCT FROM n.id"
+            " OR d.id > n.id)",
+        )[0][0]
+        out.dead_letters = q(
+            engine, "SELECT count(*) FROM enrichq.queue WHERE state = 'dead_letter'"
+        )[0][0]
+        return out
+    finally:
+        engine.dispose()
+
+
+SCENARIOS: dict[str, Callable[[str, Path, int, random.Random], Outcome]] = {
+    "kill_9": kill_9,
+    "freeze": freeze,
+    "db_restart": db_restart,
+    "terminate_storm": terminate_storm,
+    "slow_warehouse": slow_warehouse,
+    "sweeper_killed": sweeper_killed,
+    "poison": poison,
+}
