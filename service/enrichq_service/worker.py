@@ -63,6 +63,10 @@ log = logging.getLogger(__name__)
 KIND_STAGES: tuple[str, ...] = (Kind.ENRICH.value, Kind.REFRESH.value)
 SETTLE_GROUP_SIZE = 50
 SETTLE_GROUP_SECONDS = 0.005  # a group is flushed when full or this old
+# Freed slots are gathered before claiming again: until half are free or the first has
+# waited this long. Claiming the moment one slot frees would shrink every claim and every
+# settle to a job or two, each paying its own round trips; a slow job loses at most this.
+CLAIM_GATHER_SECONDS = 0.02
 BUDGET_CACHE_SECONDS = 1.0
 BACKOFF_MAX_SECONDS = 5.0
 
@@ -145,6 +149,7 @@ class Worker:
         self._budget_read_at = 0.0
         self._result = RunResult()
         self._last_heartbeat = time.monotonic()
+        self._free_since: float | None = None
         metrics.start_counters_at_zero(self.kinds)
 
     # -- the claim loop
@@ -209,11 +214,19 @@ class Worker:
 
     def _claim_round(self, pool: ThreadPoolExecutor) -> tuple[bool, Budget | None]:
         """Claim one batch from the first stage that has work; dispatch it."""
-        free = self.settings.concurrency - self._held_count()
+        held = self._held_count()
+        free = self.settings.concurrency - held
         # With the budget spent, work is still claimed: its handler defers it to the reset,
         # so it stops counting as visible backlog instead of waiting in plain sight.
         budget = self._read_budget()
         if free <= 0:
+            self._free_since = None
+            return False, budget
+        now = time.monotonic()
+        if self._free_since is None:
+            self._free_since = now
+        gathering = held and free * 2 < self.settings.concurrency
+        if gathering and now - self._free_since < CLAIM_GATHER_SECONDS:
             return False, budget
         lease = self.settings.lease_seconds
         for kind in self.kinds:
@@ -226,6 +239,7 @@ class Worker:
             with self._lock:
                 batch = [Held(j, tickets.get(j.key), deadline) for j in jobs]
                 self._held.update((h.job.id, h) for h in batch)
+            self._free_since = None
             metrics.jobs_in_flight.set(self._held_count())
             self._result.counts["claimed"] += len(jobs)
             for held in batch:
@@ -235,6 +249,8 @@ class Worker:
 
     def _idle_wait(self, budget: Budget | None) -> float:
         wait = self.settings.poll_seconds
+        if self._free_since is not None and self._held_count():
+            wait = min(wait, CLAIM_GATHER_SECONDS)
         with self._lock:
             if self._held:
                 wait = min(

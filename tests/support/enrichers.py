@@ -64,3 +64,8 @@ def slow_query(ticket: Ticket, context: EnrichContext) -> Enrichment:
     with context.warehouse.connect() as conn:
         conn.execute(sa.text("SELECT pg_sleep(:s)"), {"s": seconds})
     return warehouse_lookup(ticket, context)
+
+
+def noop(ticket: Ticket, context: EnrichContext) -> Enrichment:
+    """No lookup at all: what the queue and worker runtime cost on their own."""
+    return Enrichment(())
