@@ -108,8 +108,8 @@ queue = sa.Table(
         "visible_at",
         postgresql_where=sa.text(QUEUED),
     ),
-    # One worker per ticket: the claim skips keys that hold a live lease.
-    sa.Index("queue_leased_key_idx", "kind", "key", postgresql_where=sa.text(LEASED)),
+    # One worker per ticket, whatever the kind: the claim skips keys with a live lease.
+    sa.Index("queue_leased_key_idx", "key", postgresql_where=sa.text(LEASED)),
     # Heartbeat: every lease one owner holds.
     sa.Index("queue_leased_owner_idx", "lease_owner", postgresql_where=sa.text(LEASED)),
     # Sweeper: expired leases.

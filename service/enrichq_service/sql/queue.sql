@@ -105,10 +105,13 @@ picked AS (
         WHERE q.state = 'queued' AND q.kind = :kind
           AND coalesce(q.tenant, '') = r.tenant
           AND q.visible_at <= coalesce(CAST(:now AS timestamptz), now())
+          -- one index probe per candidate: OFFSET 0 stops the planner from turning this
+          -- into an anti join that reads every lease and then sorts the whole backlog
           AND NOT EXISTS (
               SELECT 1 FROM enrichq.queue AS l
               WHERE l.state = 'leased' AND l.key = q.key
                 AND l.lease_expires_at > coalesce(CAST(:now AS timestamptz), now())
+              OFFSET 0
           )
         ORDER BY q.visible_at
         LIMIT :limit

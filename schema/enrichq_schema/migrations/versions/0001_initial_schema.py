@@ -213,7 +213,7 @@ def upgrade() -> None:
     op.create_index(
         "queue_leased_key_idx",
         "queue",
-        ["kind", "key"],
+        ["key"],
         unique=False,
         schema="enrichq",
         postgresql_where=sa.text("state = 'leased'"),
