@@ -223,7 +223,11 @@ def test_default_data_dir_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     monkeypatch.delenv("ENRICHQ_EMBEDDED_DIR")
     assert default_data_dir() == tmp_path / "xdg" / "enrichq" / "postgres"
     monkeypatch.setenv("XDG_DATA_HOME", "relative/is/ignored")
-    assert default_data_dir() == Path.home() / ".local" / "share" / "enrichq" / "postgres"
+    if os.geteuid() == 0:
+        # the server runs as nobody, which cannot enter root's 0700 home
+        assert default_data_dir() == Path("/var/lib/enrichq/postgres")
+    else:
+        assert default_data_dir() == Path.home() / ".local" / "share" / "enrichq" / "postgres"
 
 
 def test_psycopg_reaches_the_socket_named_in_the_url(base_dir: Path) -> None:

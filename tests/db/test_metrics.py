@@ -277,7 +277,7 @@ def test_register_is_idempotent_and_rebinds(db_engine: sa.Engine) -> None:
 
 
 def test_build_info_and_the_standalone_metrics_server(db_engine: sa.Engine) -> None:
-    ver = set_build_info()
+    ver = set_build_info("shadow")
     assert ver
     assert start_metrics_server(0) is None  # port 0 = disabled
 
@@ -293,5 +293,5 @@ def test_build_info_and_the_standalone_metrics_server(db_engine: sa.Engine) -> N
         server.stop()
     assert response.status_code == 200
     samples = parse(response.text)
-    assert samples[("enrichq_build_info", (("version", ver),))] == 1
+    assert samples[("enrichq_build_info", (("mode", "shadow"), ("version", ver)))] == 1
     assert samples[("enrichq_queue_rows", (("kind", "enrich"), ("state", "queued")))] == 0

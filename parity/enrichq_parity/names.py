@@ -1,0 +1,39 @@
+"""Configured table names spliced into named SQL as quoted identifiers.
+
+Postgres binds values, never identifiers: a table name cannot be a bound parameter, so the
+configured names (validated as ``schema.table`` in settings) are quoted with the dialect's
+identifier preparer and substituted for ``{placeholder}`` tokens in the named query text.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+
+import sqlalchemy as sa
+
+from enrichq_schema.queries import Query
+
+_PLACEHOLDER = re.compile(r"\{([a-z_]+)\}")
+
+
+def qualified(dialect: sa.Dialect, name: str) -> str:
+    """``schema.table`` quoted part by part by the dialect (reserved words, upper case)."""
+    schema, _, table = name.partition(".")
+    if not schema or not table or not schema.isidentifier() or not table.isidentifier():
+        raise ValueError(f"{name!r}: expected schema.table with plain identifiers")
+    return dialect.identifier_preparer.format_table(sa.table(table, schema=schema))
+
+
+def render(query: Query, **relations: str) -> sa.TextClause:
+    """The query with every ``{name}`` replaced by the given relation SQL (already quoted)."""
+    return _render(query.sql, tuple(sorted(relations.items())))
+
+
+@cache
+def _render(sql: str, relations: tuple[tuple[str, str], ...]) -> sa.TextClause:
+    given = dict(relations)
+    wanted = set(_PLACEHOLDER.findall(sql))
+    if wanted != set(given):
+        raise KeyError(f"placeholders {sorted(wanted)} but relations {sorted(given)}")
+    return sa.text(_PLACEHOLDER.sub(lambda m: given[m.group(1)], sql))

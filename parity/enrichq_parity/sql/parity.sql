@@ -1,0 +1,267 @@
+-- Parity: shadow output (enrichq.ticket_orders, enrichq.ticket_enrichments) against the
+-- legacy output, one day of tickets per statement. {tickets}, {legacy} and {orders} are the
+-- configured tables, quoted by enrichq_parity.names (identifiers cannot be bound).
+
+-- name: parity_now
+-- The time parity measures against: :now when a test moves time, else the database clock.
+SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
+
+-- name: parity_relation_exists
+-- Whether the relation named :name (schema.table, quoted) exists.
+SELECT to_regclass(:name) IS NOT NULL AS present
+
+-- name: parity_legacy_indexed
+-- Whether the table :name can be probed by ticket: it is not a plain table (a view, whose
+-- base tables may be indexed), or it has a valid, non-partial index led by ticket_id.
+SELECT c.relkind NOT IN ('r', 'p', 'm') OR EXISTS (
+    SELECT 1
+    FROM pg_index AS i
+    JOIN pg_attribute AS a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
+    WHERE i.indrelid = c.oid
+      AND i.indisvalid
+      AND i.indpred IS NULL
+      AND a.attname = 'ticket_id'
+) AS indexed
+FROM pg_class AS c
+WHERE c.oid = to_regclass(:name)
+
+-- name: parity_read_only
+-- Parity never writes where it reads (the read side may be a replica).
+SET TRANSACTION READ ONLY
+
+-- name: parity_day_settings
+-- For this day's transaction only: no JIT (its compile time exceeds what it saves on a
+-- query made of many small index probes), and room to group a day's tickets by tenant in
+-- memory instead of spilling to temporary files.
+SELECT set_config('jit', 'off', true), set_config('work_mem', '32MB', true)
+
+-- name: parity_day
+-- One day of tickets (created in [:day_start, :day_end)): a 'class' row per (tenant, class)
+-- with ticket and order counts, an 'excluded' row per (tenant, reason), and 'sample' rows:
+-- up to :sample_size tickets per class other than exact, with their order diffs.
+WITH
+-- tickets with open queue rows (any kind) are still being processed. One branch per open
+-- state, each implying its partial index's predicate; open rows are few, so the set is
+-- hashed once per day rather than probed per ticket.
+open_keys AS (
+    SELECT q.key FROM enrichq.queue AS q WHERE q.state = 'queued'
+    UNION
+    SELECT q.key FROM enrichq.queue AS q WHERE q.state = 'leased'
+),
+-- one streaming pass over the day's tickets, per tenant: the tickets left out and why, the
+-- exact matches and their orders, and the ids of the (few) tickets whose order sets differ
+summary AS MATERIALIZED (
+    SELECT tenant,
+           count(*) FILTER (WHERE excluded = 'too_young') AS too_young,
+           count(*) FILTER (WHERE excluded = 'open_queue_rows') AS open_queue_rows,
+           count(*) FILTER (WHERE same) AS exact,
+           coalesce(sum(shadow_orders) FILTER (WHERE same), 0) AS exact_orders,
+           array_agg(ticket_id) FILTER (WHERE NOT same) AS differing_ids,
+           array_agg(created_at) FILTER (WHERE NOT same) AS differing_created_at
+    FROM (
+        -- equal sorted, distinct arrays are equal sets (same is NULL for excluded tickets)
+        SELECT a.ticket_id,
+               a.tenant,
+               a.created_at,
+               a.excluded,
+               CASE WHEN a.excluded IS NULL THEN a.legacy_ids = a.shadow_ids END AS same,
+               cardinality(a.shadow_ids) AS shadow_orders
+        FROM (
+            -- each compared ticket's two order sets: two index probes, nothing read outside
+            -- the day (the legacy flow may have written an order twice: DISTINCT)
+            SELECT d.*,
+                   CASE WHEN d.excluded IS NULL THEN ARRAY(
+                       SELECT DISTINCT l.order_id FROM {legacy} AS l
+                       WHERE l.ticket_id = d.ticket_id AND l.order_id IS NOT NULL
+                       ORDER BY l.order_id
+                   ) END AS legacy_ids,
+                   CASE WHEN d.excluded IS NULL THEN ARRAY(
+                       SELECT s.order_id FROM enrichq.ticket_orders AS s
+                       WHERE s.ticket_id = d.ticket_id
+                       ORDER BY s.order_id
+                   ) END AS shadow_ids
+            FROM (
+                -- the day's tickets, each with the reason it is left out (NULL: compared)
+                SELECT CAST(t.id AS text) AS ticket_id,
+                       coalesce(CAST(t.tenant AS text), '') AS tenant,
+                       t.created_at,
+                       CASE
+                           WHEN t.created_at > CAST(:young_after AS timestamptz) THEN 'too_young'
+                           WHEN o.key IS NOT NULL THEN 'open_queue_rows'
+                       END AS excluded
+                FROM {tickets} AS t
+                LEFT JOIN open_keys AS o ON o.key = CAST(t.id AS text)
+                WHERE t.created_at >= CAST(:day_start AS timestamptz)
+                  AND t.created_at < CAST(:day_end AS timestamptz)
+            ) AS d
+            -- a fence: each array is built once, not once per reference above
+            OFFSET 0
+        ) AS a
+    ) AS b
+    GROUP BY tenant
+),
+-- the differing tickets: the orders on one side only, when legacy looked the ticket up,
+-- and when (whether) enrichq enriched it
+differing AS MATERIALIZED (
+    SELECT x.ticket_id,
+           x.tenant,
+           x.created_at,
+           cardinality(x.legacy_ids) AS legacy_orders,
+           cardinality(x.shadow_ids) AS shadow_orders,
+           ARRAY(SELECT unnest(x.legacy_ids) EXCEPT SELECT unnest(x.shadow_ids)) AS missing_ids,
+           ARRAY(
+               SELECT unnest(x.shadow_ids) EXCEPT SELECT unnest(x.legacy_ids)
+           ) AS shadow_only_ids,
+           (
+               SELECT max(l.looked_up_at) FROM {legacy} AS l WHERE l.ticket_id = x.ticket_id
+           ) AS legacy_looked_up_at,
+           (
+               SELECT e.enriched_at FROM enrichq.ticket_enrichments AS e
+               WHERE e.ticket_id = x.ticket_id
+           ) AS enriched_at
+    FROM (
+        SELECT u.ticket_id,
+               s.tenant,
+               u.created_at,
+               ARRAY(
+                   SELECT DISTINCT l.order_id FROM {legacy} AS l
+                   WHERE l.ticket_id = u.ticket_id AND l.order_id IS NOT NULL
+               ) AS legacy_ids,
+               ARRAY(
+                   SELECT o.order_id FROM enrichq.ticket_orders AS o
+                   WHERE o.ticket_id = u.ticket_id
+               ) AS shadow_ids
+        FROM summary AS s,
+             unnest(s.differing_ids, s.differing_created_at) AS u (ticket_id, created_at)
+        OFFSET 0
+    ) AS x
+),
+-- shadow-only orders placed after the legacy lookup are drift (explained by time); placed_at
+-- comes from the shadow row, else from the warehouse
+drifted AS MATERIALIZED (
+    SELECT d.*,
+           ARRAY(
+               SELECT u.order_id
+               FROM unnest(d.shadow_only_ids) AS u (order_id)
+               WHERE coalesce(
+                   (
+                       SELECT s.placed_at FROM enrichq.ticket_orders AS s
+                       WHERE s.ticket_id = d.ticket_id AND s.order_id = u.order_id
+                   ),
+                   (SELECT max(w.placed_at) FROM {orders} AS w WHERE w.order_id = u.order_id)
+               ) > d.legacy_looked_up_at
+           ) AS drift_ids
+    FROM differing AS d
+),
+-- every differing ticket with its counts and its class (equal as sets after all: exact)
+classified AS (
+    SELECT ticket_id,
+           tenant,
+           created_at,
+           enriched_at,
+           legacy_looked_up_at,
+           legacy_orders,
+           legacy_orders - cardinality(missing_ids) AS matched_orders,
+           cardinality(missing_ids) AS missing_orders,
+           cardinality(shadow_only_ids) - cardinality(drift_ids) AS extra_orders,
+           cardinality(drift_ids) AS drift_orders,
+           missing_ids,
+           shadow_only_ids,
+           drift_ids,
+           CASE
+               WHEN legacy_orders > 0 AND shadow_orders = 0 AND enriched_at IS NULL
+                   THEN 'shadow_missing'
+               WHEN legacy_orders = 0 AND shadow_orders > 0 THEN 'legacy_missing'
+               WHEN cardinality(missing_ids) > 0 THEN 'partial'
+               WHEN cardinality(shadow_only_ids) > cardinality(drift_ids) THEN 'extra_only'
+               WHEN cardinality(drift_ids) > 0 THEN 'drift_only'
+               ELSE 'exact'
+           END AS ticket_class
+    FROM drifted
+)
+SELECT 'class' AS row_kind, tenant, 'exact' AS ticket_class, exact AS tickets,
+       exact_orders AS legacy_orders,
+       exact_orders AS matched_orders,
+       CAST(0 AS bigint) AS missing_orders,
+       CAST(0 AS bigint) AS extra_orders,
+       CAST(0 AS bigint) AS drift_orders,
+       CAST(NULL AS text) AS ticket_id,
+       CAST(NULL AS timestamptz) AS created_at,
+       CAST(NULL AS timestamptz) AS enriched_at,
+       CAST(NULL AS timestamptz) AS legacy_looked_up_at,
+       CAST(NULL AS text[]) AS missing_ids,
+       CAST(NULL AS text[]) AS extra_ids,
+       CAST(NULL AS text[]) AS drift_ids
+FROM summary
+WHERE exact > 0
+UNION ALL
+SELECT 'excluded', tenant, 'too_young', too_young, 0, 0, 0, 0, 0,
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL
+FROM summary
+WHERE too_young > 0
+UNION ALL
+SELECT 'excluded', tenant, 'open_queue_rows', open_queue_rows, 0, 0, 0, 0, 0,
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL
+FROM summary
+WHERE open_queue_rows > 0
+UNION ALL
+SELECT 'class', tenant, ticket_class, count(*),
+       sum(legacy_orders), sum(matched_orders), sum(missing_orders), sum(extra_orders),
+       sum(drift_orders), NULL, NULL, NULL, NULL, NULL, NULL, NULL
+FROM classified
+GROUP BY tenant, ticket_class
+UNION ALL
+-- the sample: the first few tickets (by id) of each class other than exact
+SELECT 'sample', tenant, ticket_class, 1, legacy_orders, matched_orders, missing_orders,
+       extra_orders, drift_orders, ticket_id, created_at, enriched_at, legacy_looked_up_at,
+       ARRAY(SELECT x FROM unnest(missing_ids) AS x ORDER BY x),
+       ARRAY(SELECT x FROM unnest(shadow_only_ids) AS x WHERE x <> ALL (drift_ids) ORDER BY x),
+       ARRAY(SELECT x FROM unnest(drift_ids) AS x ORDER BY x)
+FROM (
+    SELECT classified.*,
+           row_number() OVER (PARTITION BY ticket_class ORDER BY ticket_id) AS rank_in_class
+    FROM classified
+    WHERE ticket_class <> 'exact'
+) AS ranked
+WHERE rank_in_class <= :sample_size
+
+-- name: parity_run_start
+-- Opens an enrichq.parity_runs row (finished_at NULL until the run ends); returns its id.
+INSERT INTO enrichq.parity_runs (
+    started_at, window_since, window_until, min_order_coverage, min_ticket_match_rate
+) VALUES (
+    coalesce(CAST(:now AS timestamptz), now()),
+    CAST(:since AS timestamptz),
+    CAST(:until AS timestamptz),
+    :min_order_coverage,
+    :min_ticket_match_rate
+)
+RETURNING id, started_at
+
+-- name: parity_run_finish
+-- Closes a parity run with its results and the full report; returns finished_at.
+UPDATE enrichq.parity_runs
+SET finished_at = coalesce(CAST(:now AS timestamptz), clock_timestamp()),
+    tickets_compared = :tickets_compared,
+    tickets_excluded = :tickets_excluded,
+    exact_matches = :exact_matches,
+    order_coverage = :order_coverage,
+    ticket_match_rate = :ticket_match_rate,
+    passed = :passed,
+    report = CAST(:report AS jsonb)
+WHERE id = :id
+RETURNING finished_at
+
+-- name: parity_run_abandon
+-- Leaves an errored parity run unfinished (never "the latest run") with the error kept.
+UPDATE enrichq.parity_runs
+SET report = jsonb_build_object('error', CAST(:error AS text))
+WHERE id = :id
+
+-- name: parity_latest
+-- The latest finished parity run: what the gauges show and what cutover is gated on.
+SELECT id, finished_at, order_coverage, ticket_match_rate, passed
+FROM enrichq.parity_runs
+WHERE finished_at IS NOT NULL
+ORDER BY finished_at DESC, id DESC
+LIMIT 1

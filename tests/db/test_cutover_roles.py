@@ -1,0 +1,141 @@
+"""Shadow mode enforced by the database: deploy/sql/roles.sql reads legacy, never writes it.
+
+`service_role(db_url)` is reusable: it applies the deploy SQL under a role name unique to
+this test run and yields the URL of a login user in that role (for running the worker
+under it), dropping both roles afterwards.
+"""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import psycopg.errors
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import make_url
+from tests.db.test_parity import create_sources
+
+from enrichq_schema.db import create_engine
+
+ROLES_SQL = Path(__file__).resolve().parents[2] / "deploy" / "sql" / "roles.sql"
+TEMPLATE_ROLE = "enrichq_service"
+
+
+def roles_sql(role: str) -> str:
+    """deploy/sql/roles.sql for role `role` instead of enrichq_service."""
+    return ROLES_SQL.read_text(encoding="utf-8").replace(TEMPLATE_ROLE, role)
+
+
+def apply_roles(engine: sa.Engine, role: str) -> None:
+    """Run the deploy SQL as the schemas' owner (the external schemas must exist)."""
+    with engine.begin() as conn:
+        conn.exec_driver_sql(roles_sql(role))
+
+
+@contextmanager
+def service_role(db_url: str) -> Iterator[tuple[str, str]]:
+    """(role, login URL): the shadow role applied to `db_url` and a login user in it."""
+    suffix = uuid.uuid4().hex[:10]
+    role, user = f"enrichq_service_t{suffix}", f"enrichq_app_t{suffix}"
+    password = secrets.token_hex(16)
+    admin = create_engine(db_url, pool_size=1)
+    try:
+        apply_roles(admin, role)
+        with admin.begin() as conn:
+            q = conn.dialect.identifier_preparer.quote
+            conn.exec_driver_sql(
+                f"CREATE ROLE {q(user)} LOGIN PASSWORD '{password}' IN ROLE {q(role)}"
+            )
+        url = make_url(db_url).set(username=user, password=password)
+        yield role, url.render_as_string(hide_password=False)
+    finally:
+        with admin.begin() as conn:
+            q = conn.dialect.identifier_preparer.quote
+            for name in (user, role):
+                exists = conn.execute(
+                    sa.text("SELECT 1 FROM pg_roles WHERE rolname = :r"), {"r": name}
+                ).first()
+                if exists:
+                    # Privileges and default privileges in this database go first.
+                    conn.exec_driver_sql(f"DROP OWNED BY {q(name)}")
+                    conn.exec_driver_sql(f"DROP ROLE {q(name)}")
+        admin.dispose()
+
+
+def _insert_legacy(conn: sa.Connection) -> None:
+    conn.execute(sa.text("INSERT INTO legacy.ticket_orders VALUES ('T-1', 'O-1', now())"))
+
+
+def _insert_shadow(conn: sa.Connection) -> None:
+    conn.execute(
+        sa.text(
+            "INSERT INTO enrichq.ticket_orders (ticket_id, order_id, looked_up_at, queue_id)"
+            " VALUES ('T-1', 'O-1', now(), 1)"
+        )
+    )
+
+
+@pytest.fixture
+def sources(db_engine: sa.Engine) -> sa.Engine:
+    with db_engine.begin() as conn:
+        create_sources(conn)
+        conn.execute(sa.text("INSERT INTO legacy.ticket_orders VALUES ('T-0', 'O-0', now())"))
+    return db_engine
+
+
+def test_set_role_cannot_write_legacy_but_can_write_enrichq(
+    sources: sa.Engine, db_url: str
+) -> None:
+    with service_role(db_url) as (role, _):
+        apply_roles(sources, role)  # idempotent: a second run changes nothing and fails not
+        with sources.connect() as conn:
+            conn.execute(sa.text(f"SET ROLE {role}"))
+            with pytest.raises(sa.exc.ProgrammingError) as refused:
+                _insert_legacy(conn)
+            assert isinstance(refused.value.orig, psycopg.errors.InsufficientPrivilege)
+            conn.rollback()
+            conn.execute(sa.text(f"SET ROLE {role}"))
+            _insert_shadow(conn)
+            assert conn.execute(sa.text("SELECT count(*) FROM legacy.ticket_orders")).scalar() == 1
+            conn.execute(sa.text("SELECT count(*) FROM helpdesk.tickets")).scalar_one()
+            conn.execute(sa.text("SELECT count(*) FROM warehouse.orders")).scalar_one()
+            for statement in (
+                "UPDATE legacy.ticket_orders SET order_id = 'X'",
+                "DELETE FROM legacy.ticket_orders",
+                "TRUNCATE legacy.ticket_orders",
+                "CREATE TABLE legacy.sneaky (x int)",
+            ):
+                conn.rollback()
+                conn.execute(sa.text(f"SET ROLE {role}"))
+                with pytest.raises(sa.exc.ProgrammingError) as denied:
+                    conn.execute(sa.text(statement))
+                assert isinstance(denied.value.orig, psycopg.errors.InsufficientPrivilege)
+            conn.rollback()
+
+
+def test_a_login_user_in_the_role_is_refused_too(sources: sa.Engine, db_url: str) -> None:
+    with service_role(db_url) as (_, url):
+        engine = create_engine(url, pool_size=1)
+        try:
+            with engine.connect() as conn:
+                with pytest.raises(sa.exc.ProgrammingError) as refused:
+                    _insert_legacy(conn)
+                assert isinstance(refused.value.orig, psycopg.errors.InsufficientPrivilege)
+                conn.rollback()
+                _insert_shadow(conn)
+                conn.execute(
+                    sa.text(
+                        "INSERT INTO enrichq.queue (kind, key, reason, max_attempts)"
+                        " VALUES ('enrich', 'T-1', 'manual', 5)"
+                    )
+                )
+                conn.commit()
+        finally:
+            engine.dispose()
+    with sources.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM legacy.ticket_orders")).scalar() == 1
+        assert conn.execute(sa.text("SELECT count(*) FROM enrichq.queue")).scalar() == 1
