@@ -69,3 +69,25 @@ def slow_query(ticket: Ticket, context: EnrichContext) -> Enrichment:
 def noop(ticket: Ticket, context: EnrichContext) -> Enrichment:
     """No lookup at all: what the queue and worker runtime cost on their own."""
     return Enrichment(())
+
+
+def tries_legacy_write(ticket: Ticket, context: EnrichContext) -> Enrichment:
+    """Attempt a write to the legacy output, then look the ticket up as usual.
+
+    The job id of the result says whether the database refused the legacy write.
+    """
+    import sqlalchemy as sa
+    import sqlalchemy.exc as sa_exc
+
+    try:
+        with context.warehouse.begin() as conn:
+            conn.execute(
+                sa.text("INSERT INTO legacy.ticket_orders VALUES (:t, 'O-shadow-leak', now())"),
+                {"t": ticket.id},
+            )
+        verdict = "legacy-write-ALLOWED"
+    except sa_exc.ProgrammingError as exc:
+        refused = getattr(exc.orig, "sqlstate", None) == "42501"  # insufficient_privilege
+        verdict = "legacy-write-refused" if refused else f"legacy-write-error-{exc.orig}"
+    found = warehouse_lookup(ticket, context)
+    return Enrichment(found.orders, job_id=verdict, bytes_billed=found.bytes_billed)

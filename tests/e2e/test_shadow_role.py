@@ -1,0 +1,46 @@
+"""Shadow mode enforced by the database: the worker, under the service role, cannot write legacy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from tests.conftest import make_settings
+from tests.db.test_cutover_roles import service_role
+from tests.support.procs import enrichq_env, spawn
+
+from enrichq_service import queue, seed
+from enrichq_service.queue import EnqueueRequest
+
+pytestmark = pytest.mark.slow
+
+
+def q(engine: sa.Engine, sql: str) -> list[tuple[Any, ...]]:
+    with engine.connect() as conn:
+        return [tuple(r) for r in conn.execute(sa.text(sql))]
+
+
+def test_worker_under_the_service_role_enriches_but_cannot_write_legacy(
+    db_url: str, db_engine: sa.Engine, tmp_path: Path
+) -> None:
+    with db_engine.begin() as conn:
+        seed.seed_world(conn, tickets=10)
+        keys = [r[0] for r in conn.execute(sa.text("SELECT id FROM helpdesk.tickets"))]
+        queue.enqueue(conn, [EnqueueRequest.build(key=k) for k in keys], settings=make_settings())
+    legacy_before = q(db_engine, "SELECT count(*) FROM legacy.ticket_orders")
+    with service_role(db_url) as (_role, login_url):
+        worker = spawn(
+            ["worker", "--drain"],
+            enrichq_env(login_url, enricher="tests.support.enrichers:tries_legacy_write"),
+            log=tmp_path / "worker.log",
+        )
+        assert worker.wait(120) == 0, (tmp_path / "worker.log").read_text()[-2000:]
+    assert q(db_engine, "SELECT state, count(*) FROM enrichq.queue GROUP BY 1") == [("done", 10)]
+    # every attempt to write the legacy output was refused by the database itself
+    assert q(db_engine, "SELECT DISTINCT job_id FROM enrichq.lookup_log") == [
+        ("legacy-write-refused",)
+    ]
+    assert q(db_engine, "SELECT count(*) FROM legacy.ticket_orders") == legacy_before
+    assert q(db_engine, "SELECT count(*) FROM enrichq.ticket_enrichments") == [(10,)]
