@@ -1,0 +1,224 @@
+"""One sweeper pass of each task, as the scheduler runs it: the run-log row and the metrics.
+
+Every pass writes one `enrichq.runs` row (opened when it starts, closed with its stop
+reason and counts when it ends) and updates the sweeper metrics. A pass that fails is
+logged and recorded with stop reason `error`; it never stops the scheduler.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+
+import sqlalchemy as sa
+
+from enrichq_schema.states import DeadReason, StopReason
+from enrichq_service import metrics
+from enrichq_service.settings import Settings
+from enrichq_sweeper import recovery, refresh, retention
+from enrichq_sweeper.common import owner_id, sql
+
+log = logging.getLogger(__name__)
+
+ERROR_MAX_CHARS = 1000
+
+
+class Task(StrEnum):
+    """The sweeper's periodic tasks (the `task` label and the run log's counts.task)."""
+
+    RECOVERY = "recovery"
+    RETENTION = "retention"
+    REFRESH = "refresh"
+
+
+@dataclass(frozen=True, slots=True)
+class PassReport:
+    """How one pass ended: its stop reason, the counts written to the run log, the error."""
+
+    task: Task
+    stop_reason: StopReason
+    counts: dict[str, object] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Whether the pass finished without an error."""
+        return self.stop_reason is not StopReason.ERROR
+
+
+def _one_line(exc: BaseException) -> str:
+    """The first line of an error, bounded; driver errors keep their SQLSTATE text only."""
+    orig = getattr(exc, "orig", None) or exc
+    text = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
+    return f"{type(orig).__name__}: {text}"[:ERROR_MAX_CHARS]
+
+
+def _counts(task: Task, duration: float, **values: float) -> dict[str, object]:
+    base: dict[str, object] = {
+        "task": task.value,
+        "promoted": 0,
+        "superseded": 0,
+        "exhausted": 0,
+        "pruned": 0,
+    }
+    base.update(values)
+    base["duration_seconds"] = round(duration, 6)
+    return base
+
+
+def run_pass(
+    engine: sa.Engine,
+    task: Task,
+    body: Callable[[], tuple[dict[str, float], bool]],
+    *,
+    owner: str | None = None,
+) -> PassReport:
+    """Run `body` (returning its counts and whether it was stopped) inside a run-log row."""
+    owner = owner or owner_id()
+    run_id: int | None = None
+    try:
+        with engine.begin() as conn:
+            run_id = conn.execute(
+                sql()("runs_start"),
+                {"owner": owner, "counts": json.dumps({"task": task.value})},
+            ).scalar_one()
+    except Exception as exc:
+        # The pass would fail the same way; say so once and let the next pass try again.
+        log.error("sweeper %s pass not started: %s", task.value, _one_line(exc))
+        return PassReport(task, StopReason.ERROR, {"task": task.value}, _one_line(exc))
+    started = time.perf_counter()
+    error: str | None = None
+    try:
+        values, stopped = body()
+        stop_reason = StopReason.SHUTDOWN if stopped else StopReason.NO_WORK
+    except Exception as exc:
+        log.exception("sweeper %s pass failed", task.value)
+        values, stop_reason, error = {}, StopReason.ERROR, _one_line(exc)
+    counts = _counts(task, time.perf_counter() - started, **values)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                sql()("runs_finish"),
+                {
+                    "id": run_id,
+                    "stop_reason": stop_reason.value,
+                    "counts": json.dumps(counts),
+                    "error": error,
+                },
+            )
+    except Exception as exc:
+        log.error("sweeper %s pass: run log not closed: %s", task.value, _one_line(exc))
+    if stop_reason is not StopReason.ERROR:
+        metrics.sweeper_last_pass_timestamp_seconds.labels(task.value).set_to_current_time()
+    return PassReport(task, stop_reason, counts, error)
+
+
+def recovery_pass(
+    engine: sa.Engine,
+    settings: Settings,
+    *,
+    gave_up_hook: recovery.GaveUpHook | None = recovery.log_gave_up,
+    now: datetime | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    owner: str | None = None,
+) -> PassReport:
+    """One lease-recovery pass, logged and counted."""
+
+    def body() -> tuple[dict[str, float], bool]:
+        result = recovery.run_once(
+            engine,
+            now=now,
+            gave_up_hook=gave_up_hook,
+            statement_timeout_seconds=settings.statement_timeout_seconds,
+            should_stop=should_stop,
+        )
+        metrics.sweeper_lease_expiries_total.inc(result.recovered)
+        metrics.sweeper_promoted_total.inc(result.promoted)
+        metrics.sweeper_dead_letters_total.labels(DeadReason.SUPERSEDED.value).inc(
+            result.superseded
+        )
+        metrics.sweeper_dead_letters_total.labels(DeadReason.ATTEMPTS_EXHAUSTED.value).inc(
+            result.exhausted
+        )
+        if result.recovered:
+            log.info(
+                "recovered %d expired lease(s): %d promoted, %d superseded, %d exhausted",
+                result.recovered,
+                result.promoted,
+                result.superseded,
+                result.exhausted,
+            )
+        values = {
+            "promoted": result.promoted,
+            "superseded": result.superseded,
+            "exhausted": result.exhausted,
+            "batches": result.batches,
+            "max_batch_seconds": round(result.max_batch_seconds, 6),
+            "hook_errors": result.hook_errors,
+        }
+        return values, result.stopped
+
+    return run_pass(engine, Task.RECOVERY, body, owner=owner)
+
+
+def retention_pass(
+    engine: sa.Engine,
+    settings: Settings,
+    *,
+    now: datetime | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    owner: str | None = None,
+) -> PassReport:
+    """One retention pass, logged and counted."""
+
+    def body() -> tuple[dict[str, float], bool]:
+        result = retention.run_once(
+            engine,
+            retention_days=settings.retention_days,
+            dead_letter_retention_days=settings.dead_letter_retention_days,
+            now=now,
+            statement_timeout_seconds=settings.statement_timeout_seconds,
+            should_stop=should_stop,
+        )
+        for state in ("done", "failed", "dead_letter"):
+            metrics.sweeper_pruned_total.labels(state).inc(getattr(result, state))
+        if result.pruned:
+            log.info("pruned %d queue row(s) past retention", result.pruned)
+        values = {
+            "pruned": result.pruned,
+            "done": result.done,
+            "failed": result.failed,
+            "dead_letter": result.dead_letter,
+            "tenant_served": result.tenant_served,
+            "lookup_log": result.lookup_log,
+            "runs": result.runs,
+            "batches": result.batches,
+            "max_batch_seconds": round(result.max_batch_seconds, 6),
+        }
+        return values, result.stopped
+
+    return run_pass(engine, Task.RETENTION, body, owner=owner)
+
+
+def refresh_pass(
+    engine: sa.Engine,
+    settings: Settings,
+    *,
+    now: datetime | None = None,
+    owner: str | None = None,
+) -> PassReport:
+    """One refresh-enqueue pass, logged and counted."""
+
+    def body() -> tuple[dict[str, float], bool]:
+        enqueued = refresh.run_once(engine, settings, now=now)
+        metrics.sweeper_refresh_enqueued_total.inc(enqueued)
+        if enqueued:
+            log.info("enqueued %d refresh row(s)", enqueued)
+        return {"enqueued": enqueued}, False
+
+    return run_pass(engine, Task.REFRESH, body, owner=owner)

@@ -1,0 +1,257 @@
+"""Lease recovery: expired leases back to the queue, or to the dead letters (DESIGN §3, sweep).
+
+A pass walks the expired leases by an id cursor, one transaction per page. The scan reads a
+page; the write (one statement) takes every still-expired lease of the page's keys and
+decides per key: a spent row is dead-lettered (`attempts_exhausted`) and handed to the
+gave-up hook; the newest other row goes back to the queue, visible now; the rest are
+dead-lettered as superseded by it, or by the key's queued row when it has one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, cast
+
+import sqlalchemy as sa
+
+from enrichq_sweeper.common import (
+    DEFAULT_BATCH_SIZE,
+    STATEMENT_TIMEOUT_SECONDS_DEFAULT,
+    RaceLost,
+    retry_races,
+    set_statement_timeout,
+    sql,
+)
+from enrichq_sweeper.errors import HookError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Expired:
+    """One expired lease as the scan saw it."""
+
+    id: int
+    kind: str
+    key: str
+    attempts: int
+    max_attempts: int
+
+
+@dataclass(frozen=True, slots=True)
+class GaveUp:
+    """A row whose attempts were spent when its lease expired: what the gave-up hook gets."""
+
+    id: int
+    kind: str
+    key: str
+    tenant: str | None
+    attempts: int
+    max_attempts: int
+    lease_owner: str
+    lease_expires_at: datetime
+    payload: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchOutcome:
+    """What one page's write did: promoted ids, (superseded id, by id) pairs, spent rows."""
+
+    promoted: tuple[int, ...] = ()
+    superseded: tuple[tuple[int, int], ...] = ()
+    exhausted: tuple[GaveUp, ...] = ()
+    promoted_kinds: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def rows(self) -> int:
+        """Rows this write changed."""
+        return len(self.promoted) + len(self.superseded) + len(self.exhausted)
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryResult:
+    """One pass of lease recovery: what it did and how long its batches held their locks."""
+
+    promoted: int = 0
+    superseded: int = 0
+    exhausted: int = 0
+    batches: int = 0
+    duration_seconds: float = 0.0
+    max_batch_seconds: float = 0.0
+    max_batch_rows: int = 0
+    hook_errors: int = 0
+    stopped: bool = False
+
+    @property
+    def recovered(self) -> int:
+        """Expired leases this pass dealt with, whatever became of them."""
+        return self.promoted + self.superseded + self.exhausted
+
+
+GaveUpHook = Callable[[Sequence[GaveUp]], None]
+
+
+def log_gave_up(rows: Sequence[GaveUp]) -> None:
+    """The default gave-up hook: one warning per row (the pass counts them in the metrics)."""
+    for row in rows:
+        log.warning(
+            "gave up on %s %s (queue id %d) after %d/%d attempts; last lease %s expired at %s",
+            row.kind,
+            row.key,
+            row.id,
+            row.attempts,
+            row.max_attempts,
+            row.lease_owner,
+            row.lease_expires_at.isoformat(),
+        )
+    log.warning("gave up on %d row(s) whose attempts were spent", len(rows))
+
+
+def load_hook(path: str) -> GaveUpHook:
+    """The callable named by `path` ("package.module:function"); HookError if there is none."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr.isidentifier():
+        raise HookError(f"gave-up hook {path!r}: expected package.module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise HookError(f"gave-up hook {path!r}: cannot import {module_name}: {exc}") from None
+    hook = getattr(module, attr, None)
+    if not callable(hook):
+        raise HookError(f"gave-up hook {path!r}: {module_name} has no function {attr}")
+    return cast(GaveUpHook, hook)
+
+
+def scan(
+    conn: sa.Connection, *, after_id: int, batch_size: int, now: datetime | None = None
+) -> list[Expired]:
+    """Up to `batch_size` expired leases with id above `after_id`, lowest id first."""
+    rows = conn.execute(
+        sql()("recovery_scan"), {"after_id": after_id, "batch_size": batch_size, "now": now}
+    ).all()
+    return [Expired(*r) for r in rows]
+
+
+def recover_batch(
+    conn: sa.Connection, page: Sequence[Expired], *, now: datetime | None = None
+) -> BatchOutcome:
+    """Recover every still-expired lease of the keys in `page`; the caller commits.
+
+    A row settled or extended by its worker since the scan is left alone: the statement
+    then runs again on a fresh snapshot, as it does when an enqueue of one of the keys
+    races it (never a violation of the queued-key index).
+    """
+    if not page:
+        return BatchOutcome()
+    pairs = sorted({(e.kind, e.key) for e in page})
+    params = {"kinds": [k for k, _ in pairs], "keys": [k for _, k in pairs], "now": now}
+
+    def attempt() -> Sequence[sa.Row[Any]]:
+        rows = conn.execute(sql()("recovery_recover_batch"), params).all()
+        if rows[0].skipped:
+            raise RaceLost
+        return rows
+
+    rows = retry_races(conn, attempt)
+    promoted: list[int] = []
+    superseded: list[tuple[int, int]] = []
+    exhausted: list[GaveUp] = []
+    kinds: set[str] = set()
+    for r in rows:
+        if r.action is None:  # nothing to recover: the one row only says nothing was skipped
+            continue
+        if r.action == "promote":
+            promoted.extend(r.ids)
+            kinds.add(r.kind)
+        elif r.action == "supersede":
+            superseded.extend(zip(r.ids, r.winners, strict=True))
+        else:
+            [row_id] = r.ids
+            exhausted.append(
+                GaveUp(
+                    id=row_id,
+                    kind=r.kind,
+                    key=r.key,
+                    tenant=r.tenant,
+                    attempts=r.attempts,
+                    max_attempts=r.max_attempts,
+                    lease_owner=r.lease_owner,
+                    lease_expires_at=r.lease_expires_at,
+                    payload=r.payload,
+                )
+            )
+    promoted.sort()
+    superseded.sort()
+    exhausted.sort(key=lambda g: g.id)
+    return BatchOutcome(tuple(promoted), tuple(superseded), tuple(exhausted), frozenset(kinds))
+
+
+def run_once(
+    engine: sa.Engine,
+    *,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    now: datetime | None = None,
+    gave_up_hook: GaveUpHook | None = log_gave_up,
+    statement_timeout_seconds: float = STATEMENT_TIMEOUT_SECONDS_DEFAULT,
+    should_stop: Callable[[], bool] | None = None,
+) -> RecoveryResult:
+    """One recovery pass over every expired lease, one transaction per page of `batch_size`.
+
+    A page's write covers all expired rows of the page's keys, so a transaction changes at
+    most `batch_size` keys' worth of rows (a key has few leases: claims never lease a key
+    whose lease is live). Spent rows go to `gave_up_hook` after their page commits, so at
+    most once: a crash in between loses the call, and the rows wait in the dead letters
+    (`enrichq dlq list --reason attempts_exhausted`). A hook that raises is logged and
+    counted, and the pass goes on (the rows are dead already).
+    """
+    if batch_size < 1:
+        raise ValueError("batch_size must be at least 1")
+    started = time.perf_counter()
+    promoted = superseded = exhausted = batches = max_rows = hook_errors = 0
+    max_held = 0.0
+    stopped = False
+    after_id = 0
+    while True:
+        if should_stop is not None and should_stop():
+            stopped = True
+            break
+        with engine.begin() as conn:
+            set_statement_timeout(conn, statement_timeout_seconds)
+            page = scan(conn, after_id=after_id, batch_size=batch_size, now=now)
+            if not page:
+                break
+            locked_at = time.perf_counter()
+            outcome = recover_batch(conn, page, now=now)
+        # from the write's first lock to the commit that released them
+        max_held = max(max_held, time.perf_counter() - locked_at)
+        batches += 1
+        max_rows = max(max_rows, outcome.rows)
+        promoted += len(outcome.promoted)
+        superseded += len(outcome.superseded)
+        exhausted += len(outcome.exhausted)
+        if outcome.exhausted and gave_up_hook is not None:
+            try:
+                gave_up_hook(outcome.exhausted)
+            except Exception:
+                hook_errors += 1
+                ids = ", ".join(str(g.id) for g in outcome.exhausted)
+                log.exception("the gave-up hook failed for queue ids %s", ids)
+        after_id = page[-1].id
+        if len(page) < batch_size:
+            break
+    return RecoveryResult(
+        promoted=promoted,
+        superseded=superseded,
+        exhausted=exhausted,
+        batches=batches,
+        duration_seconds=time.perf_counter() - started,
+        max_batch_seconds=max_held,
+        max_batch_rows=max_rows,
+        hook_errors=hook_errors,
+        stopped=stopped,
+    )

@@ -1,0 +1,279 @@
+"""`enrichq sweep`: elect one leader among the replicas, then run the tasks on a schedule.
+
+The leader runs lease recovery every ENRICHQ_SWEEP_INTERVAL_SECONDS, retention daily, the
+refresh enqueue every ENRICHQ_REFRESH_INTERVAL_SECONDS and, when
+ENRICHQ_PARITY_INTERVAL_HOURS > 0, parity; the others retry the leader lock every few
+seconds and take over when the leader dies. APScheduler is imported only here, so the CLI
+stays quick to start.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from types import FrameType
+from typing import Any
+
+import sqlalchemy as sa
+
+from enrichq_service import metrics
+from enrichq_service.settings import Settings
+from enrichq_sweeper import passes
+from enrichq_sweeper.common import owner_id
+from enrichq_sweeper.errors import HookError
+from enrichq_sweeper.leader import LeaderLock
+from enrichq_sweeper.recovery import GaveUpHook, load_hook
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+# A follower asks for the lock this often (or every sweep interval, if that is shorter).
+LEADER_RETRY_SECONDS_MAX = 5.0
+RETENTION_INTERVAL_SECONDS = 86_400.0
+SECONDS_PER_HOUR = 3600.0
+SCHEDULER_THREADS = 4
+
+
+def _say(message: str) -> None:
+    print(f"enrichq: {message}", file=sys.stderr)
+
+
+@contextmanager
+def _signals(stop: threading.Event) -> Iterator[None]:
+    """SIGTERM and SIGINT set `stop` (only the main thread may install handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        log.info("received %s: stopping", signal.Signals(signum).name)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _check_schema(engine: sa.Engine) -> str | None:
+    """Why this database cannot be swept, or None when it is migrated to head."""
+    from enrichq_schema.db import current_revision, head_revision
+
+    with engine.connect() as conn:
+        current = current_revision(conn)
+    head = head_revision()
+    if current != head:
+        return (
+            f"the database is at revision {current or 'none'}, not {head} (run `enrichq migrate`)"
+        )
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Tasks:
+    """The leader's jobs over one engine; `should_stop` ends a pass between batches."""
+
+    engine: sa.Engine
+    settings: Settings
+    url: str
+    hook: GaveUpHook
+    owner: str
+    should_stop: Callable[[], bool]
+
+    def recovery(self) -> bool:
+        report = passes.recovery_pass(
+            self.engine,
+            self.settings,
+            gave_up_hook=self.hook,
+            should_stop=self.should_stop,
+            owner=self.owner,
+        )
+        return report.ok
+
+    def retention(self) -> bool:
+        report = passes.retention_pass(
+            self.engine, self.settings, should_stop=self.should_stop, owner=self.owner
+        )
+        return report.ok
+
+    def refresh(self) -> bool:
+        return passes.refresh_pass(self.engine, self.settings, owner=self.owner).ok
+
+    def parity(self) -> bool:
+        try:
+            from enrichq_parity.parity import run_scheduled
+        except ImportError as exc:
+            log.error("scheduled parity skipped: enrichq_parity is not available (%s)", exc)
+            return False
+        try:
+            run_scheduled(self.settings, self.url)
+        except Exception:
+            log.exception("scheduled parity failed")
+            return False
+        return True
+
+    def schedule(self) -> list[tuple[str, Callable[[], bool], float]]:
+        """(name, job, interval in seconds) of every task this configuration runs."""
+        jobs: list[tuple[str, Callable[[], bool], float]] = [
+            ("recovery", self.recovery, self.settings.sweep_interval_seconds),
+            ("retention", self.retention, RETENTION_INTERVAL_SECONDS),
+            ("refresh", self.refresh, self.settings.refresh_interval_seconds),
+        ]
+        if self.settings.parity_interval_hours > 0:
+            hours = self.settings.parity_interval_hours
+            jobs.append(("parity", self.parity, hours * SECONDS_PER_HOUR))
+        return jobs
+
+
+def _start_scheduler(tasks: _Tasks) -> Any:
+    """A running APScheduler BackgroundScheduler with every task due now."""
+    from apscheduler.executors.pool import ThreadPoolExecutor
+    from apscheduler.schedulers.background import BackgroundScheduler
+    from apscheduler.triggers.interval import IntervalTrigger
+
+    scheduler = BackgroundScheduler(
+        timezone=UTC,
+        executors={"default": ThreadPoolExecutor(SCHEDULER_THREADS)},
+        # A pass that overruns its interval is not run twice at once, nor caught up later.
+        job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": None},
+    )
+    first = datetime.now(UTC)
+    for name, job, seconds in tasks.schedule():
+        scheduler.add_job(
+            job,
+            IntervalTrigger(seconds=seconds, timezone=UTC),
+            id=name,
+            name=name,
+            next_run_time=first,
+        )
+    scheduler.start()
+    return scheduler
+
+
+def _quiet_apscheduler(settings: Settings) -> None:
+    """APScheduler logs every job start and end at INFO; keep that for DEBUG only."""
+    if settings.log_level != "DEBUG":
+        logging.getLogger("apscheduler").setLevel(logging.WARNING)
+
+
+def run_sweeper(settings: Settings, url: str, *, once: bool) -> int:
+    """Run the sweeper until SIGTERM/SIGINT (or each task once with `once`); the exit code."""
+    from enrichq_schema.db import create_engine
+
+    try:
+        hook = load_hook(settings.gave_up_hook)
+    except HookError as exc:
+        _say(f"invalid setting ENRICHQ_GAVE_UP_HOOK: {exc}")
+        return EXIT_USAGE
+    owner = owner_id()
+    engine = create_engine(url, application_name="enrichq-sweeper", pool_size=SCHEDULER_THREADS)
+    sweeper = _Sweeper(engine, settings, url, hook, owner, LeaderLock(url, owner=owner))
+    try:
+        problem = _check_schema(engine)
+        if problem:
+            _say(problem)
+            return EXIT_FAILED
+        _quiet_apscheduler(settings)
+        with _signals(sweeper.stop):
+            if once:
+                return sweeper.run_once()
+            if settings.metrics_port:
+                from prometheus_client import start_http_server
+
+                try:
+                    start_http_server(settings.metrics_port)
+                except OSError as exc:
+                    _say(f"cannot serve /metrics on port {settings.metrics_port}: {exc.strerror}")
+                    return EXIT_FAILED
+            return sweeper.lead_or_follow()
+    finally:
+        metrics.sweeper_is_leader.set(0)
+        sweeper.lock.close()
+        engine.dispose()
+
+
+@dataclass
+class _Sweeper:
+    """One sweeper process: its engine, its leader lock and its stop signal."""
+
+    engine: sa.Engine
+    settings: Settings
+    url: str
+    hook: GaveUpHook
+    owner: str
+    lock: LeaderLock
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def tasks(self, should_stop: Callable[[], bool]) -> _Tasks:
+        return _Tasks(self.engine, self.settings, self.url, self.hook, self.owner, should_stop)
+
+    def run_once(self) -> int:
+        """Every task once, if no other sweeper leads; 1 when a task failed."""
+        if not self.lock.try_acquire():
+            log.warning("another sweeper holds the leader lock and runs these tasks; nothing done")
+            return EXIT_OK
+        metrics.sweeper_is_leader.set(1)
+        failed = []
+        for name, job, _ in self.tasks(self.stop.is_set).schedule():
+            if self.stop.is_set():
+                break
+            if not job():
+                failed.append(name)
+        self.lock.release()
+        metrics.sweeper_is_leader.set(0)
+        if failed:
+            _say(f"sweep --once: {', '.join(failed)} failed (see the log)")
+            return EXIT_FAILED
+        return EXIT_OK
+
+    def lead_or_follow(self) -> int:
+        """Follow until the lock is free, lead while it is held, until `stop` is set."""
+        retry_seconds = min(LEADER_RETRY_SECONDS_MAX, self.settings.sweep_interval_seconds)
+        scheduler: Any = None
+        leading = threading.Event()
+
+        def should_stop() -> bool:
+            return self.stop.is_set() or not leading.is_set()
+
+        def step_down() -> None:
+            nonlocal scheduler
+            leading.clear()
+            metrics.sweeper_is_leader.set(0)
+            if scheduler is not None:
+                # Running passes see `leading` cleared and stop after their current batch.
+                scheduler.shutdown(wait=True)
+                scheduler = None
+
+        log.info("sweeper %s started; waiting for the leader lock", self.owner)
+        try:
+            while not self.stop.is_set():
+                if scheduler is None:
+                    try:
+                        acquired = self.lock.try_acquire()
+                    except Exception as exc:
+                        log.warning("leader lock unavailable: %s", type(exc).__name__)
+                        acquired = False
+                    if acquired:
+                        log.info("sweeper %s is the leader", self.owner)
+                        leading.set()
+                        metrics.sweeper_is_leader.set(1)
+                        scheduler = _start_scheduler(self.tasks(should_stop))
+                elif not self.lock.still_held():
+                    log.warning("sweeper %s lost the leader lock; stepping down", self.owner)
+                    step_down()
+                self.stop.wait(retry_seconds)
+        finally:
+            step_down()
+            self.lock.release()
+        log.info("sweeper %s stopped", self.owner)
+        return EXIT_OK

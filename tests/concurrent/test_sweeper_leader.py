@@ -1,0 +1,256 @@
+"""One active sweeper among replicas: two real `enrichq sweep` processes, kill -9 the leader."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, TypeVar
+
+import pytest
+import sqlalchemy as sa
+
+from enrichq_sweeper.leader import SWEEPER_LOCK_ID
+
+ENRICHQ = Path(sys.executable).with_name("enrichq")
+DEADLINE_SECONDS = 30.0
+T = TypeVar("T")
+
+HOLDERS = sa.text(
+    """
+    SELECT a.application_name
+    FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid
+    WHERE l.locktype = 'advisory' AND l.granted AND l.database = (
+            SELECT oid FROM pg_database WHERE datname = current_database())
+      AND l.classid = CAST(:hi AS oid) AND l.objid = CAST(:lo AS oid) AND l.objsubid = 1
+    """
+)
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout: float = DEADLINE_SECONDS) -> T:
+    """Poll `probe` until it returns something truthy, or fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(0.05)
+
+
+class Sweeper:
+    """One `enrichq sweep` process with its output in a file."""
+
+    def __init__(self, db_url: str, log: Path, metrics_port: int = 0) -> None:
+        env = {
+            **os.environ,
+            "ENRICHQ_DATABASE_URL": db_url,
+            "ENRICHQ_SWEEP_INTERVAL_SECONDS": "0.2",
+            "ENRICHQ_METRICS_PORT": str(metrics_port),
+            "ENRICHQ_LOG_LEVEL": "INFO",
+        }
+        env.pop("ENRICHQ_CONFIG", None)
+        self.log = log
+        self._out: IO[bytes] = log.open("wb")
+        self.proc = subprocess.Popen(
+            [str(ENRICHQ), "sweep"], env=env, stdout=self._out, stderr=subprocess.STDOUT
+        )
+        self.owner = f"{socket.gethostname()}:{self.proc.pid}"
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=DEADLINE_SECONDS)
+        self._out.close()
+
+
+@pytest.fixture
+def sweepers(db_url: str, tmp_path: Path) -> Iterator[list[Sweeper]]:
+    started = [Sweeper(db_url, tmp_path / f"sweeper-{i}.log") for i in range(2)]
+    try:
+        yield started
+    finally:
+        for s in started:
+            s.stop()
+
+
+def lock_holders(engine: sa.Engine) -> list[str]:
+    with engine.connect() as conn:
+        names = conn.execute(
+            HOLDERS, {"hi": SWEEPER_LOCK_ID >> 32, "lo": SWEEPER_LOCK_ID & 0xFFFFFFFF}
+        ).scalars()
+        return [str(n) for n in names]
+
+
+def connected(engine: sa.Engine) -> str:
+    """The application names of every session on this database, as one string."""
+    with engine.connect() as conn:
+        names = conn.execute(
+            sa.text(
+                "SELECT application_name FROM pg_stat_activity WHERE datname = current_database()"
+            )
+        ).scalars()
+        return " ".join(str(n) for n in names)
+
+
+def expire_leases(engine: sa.Engine, keys: list[str]) -> None:
+    """Leased rows whose leases ran out a minute ago, as if their workers had died."""
+    with engine.begin() as conn:
+        for key in keys:
+            conn.execute(
+                sa.text(
+                    "INSERT INTO enrichq.queue (kind, key, reason, state, attempts, max_attempts,"
+                    " lease_owner, lease_expires_at)"
+                    " VALUES ('enrich', :key, 'created', 'leased', 1, 5, 'dead-worker',"
+                    " now() - interval '1 minute')"
+                ),
+                {"key": key},
+            )
+
+
+def leased(engine: sa.Engine) -> int:
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                sa.text("SELECT count(*) FROM enrichq.queue WHERE state = 'leased'")
+            ).scalar_one()
+        )
+
+
+def recovering_owners(engine: sa.Engine) -> set[str]:
+    """Owners of the run-log rows of recovery passes that recovered something."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.text(
+                "SELECT DISTINCT owner FROM enrichq.runs WHERE counts->>'task' = 'recovery'"
+                " AND (counts->>'promoted')::int + (counts->>'superseded')::int > 0"
+            )
+        ).scalars()
+        return set(rows)
+
+
+def test_only_the_leader_sweeps_and_the_other_takes_over_when_it_dies(
+    db_engine: sa.Engine, sweepers: list[Sweeper]
+) -> None:
+    with db_engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "CREATE SCHEMA helpdesk; CREATE TABLE helpdesk.tickets (id text PRIMARY KEY,"
+                " requester_email text, tenant text, created_at timestamptz,"
+                " updated_at timestamptz)"
+            )
+        )
+    by_owner = {s.owner: s for s in sweepers}
+
+    def leader() -> Sweeper | None:
+        for name in lock_holders(db_engine):
+            for owner, sweeper in by_owner.items():
+                if name.endswith(owner):
+                    return sweeper
+        return None
+
+    first = wait_for("a leader", leader)
+    [second] = [s for s in sweepers if s is not first]
+    # the follower is alive and connected for its tries, but holds nothing
+    wait_for("the follower to connect", lambda: second.owner in connected(db_engine))
+    assert second.proc.poll() is None
+
+    expire_leases(db_engine, ["T-1", "T-1", "T-2"])
+    wait_for("the leader to recover the leases", lambda: leased(db_engine) == 0)
+    assert recovering_owners(db_engine) == {first.owner}
+    with db_engine.connect() as conn:
+        passes_by = set(conn.execute(sa.text("SELECT DISTINCT owner FROM enrichq.runs")).scalars())
+        states = conn.execute(sa.text("SELECT key, state FROM enrichq.queue ORDER BY id")).all()
+    assert passes_by == {first.owner}, "the follower ran a pass"
+    assert [tuple(r) for r in states] == [
+        ("T-1", "dead_letter"),
+        ("T-1", "queued"),
+        ("T-2", "queued"),
+    ]
+
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait(timeout=DEADLINE_SECONDS)
+    assert wait_for("the follower to take over", leader) is second
+
+    expire_leases(db_engine, ["T-3", "T-3"])
+    wait_for("the new leader to recover the leases", lambda: leased(db_engine) == 0)
+    assert recovering_owners(db_engine) == {first.owner, second.owner}
+    with db_engine.connect() as conn:
+        t3 = conn.execute(
+            sa.text("SELECT state FROM enrichq.queue WHERE key = 'T-3' ORDER BY id")
+        ).scalars()
+        assert list(t3) == ["dead_letter", "queued"]
+
+    # SIGTERM: a clean stop, exit 0, the lock given back
+    second.proc.send_signal(signal.SIGTERM)
+    assert second.proc.wait(timeout=DEADLINE_SECONDS) == 0, second.output()
+    assert lock_holders(db_engine) == []
+    assert "stopped" in second.output()
+
+
+def test_a_leader_whose_lock_session_dies_steps_down_and_leads_again(
+    db_engine: sa.Engine, db_url: str, tmp_path: Path
+) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    sweeper = Sweeper(db_url, tmp_path / "sweeper.log", metrics_port=port)
+
+    def is_leader() -> str | None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+                body = resp.read().decode()
+        except OSError:
+            return None
+        return next(
+            (ln for ln in body.splitlines() if ln.startswith("enrichq_sweeper_is_leader ")), None
+        )
+
+    try:
+        with db_engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    "CREATE SCHEMA helpdesk; CREATE TABLE helpdesk.tickets (id text, updated_at timestamptz)"
+                )
+            )
+
+        def lock_session() -> int | None:
+            with db_engine.connect() as conn:
+                pid = conn.execute(
+                    sa.text(
+                        "SELECT l.pid FROM pg_locks AS l JOIN pg_stat_activity AS a"
+                        " ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.granted"
+                        " AND a.application_name LIKE '%' || :owner"
+                    ),
+                    {"owner": sweeper.owner},
+                ).scalar()
+                return None if pid is None else int(pid)
+
+        first_session = wait_for("the sweeper to lead", lock_session)
+        wait_for(
+            "/metrics to show the leader", lambda: is_leader() == "enrichq_sweeper_is_leader 1.0"
+        )
+        with db_engine.connect() as conn:
+            conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": first_session})
+        wait_for(
+            "the sweeper to lead again on a new session",
+            lambda: (lock_session() or first_session) != first_session,
+        )
+        assert "lost the leader lock" in sweeper.output()
+        assert sweeper.proc.poll() is None
+        expire_leases(db_engine, ["T-1"])
+        wait_for("the leases to be recovered", lambda: leased(db_engine) == 0)
+        sweeper.proc.send_signal(signal.SIGTERM)
+        assert sweeper.proc.wait(timeout=DEADLINE_SECONDS) == 0, sweeper.output()
+    finally:
+        sweeper.stop()

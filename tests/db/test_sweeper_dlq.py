@@ -1,0 +1,281 @@
+"""Dead letters: `enrichq dlq list` and `enrichq dlq redrive` (DESIGN §3, redrive)."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import sqlalchemy as sa
+from tests.conftest import make_settings
+
+from enrichq_schema.tables import queue
+from enrichq_sweeper import dlq
+from enrichq_sweeper.common import sql as sweeper_sql
+from enrichq_sweeper.errors import DlqInputError
+
+T0 = datetime(2026, 1, 5, 12, 0, tzinfo=UTC)
+
+
+def dead(
+    conn: sa.Connection,
+    key: str,
+    reason: str = "attempts_exhausted",
+    *,
+    kind: str = "enrich",
+    superseded_by: int | None = None,
+) -> int:
+    """A dead letter that used 3 of 3 attempts and died an hour before T0."""
+    return int(
+        conn.execute(
+            sa.insert(queue)
+            .values(
+                kind=kind,
+                key=key,
+                reason="created",
+                state="dead_letter",
+                attempts=3,
+                max_attempts=3,
+                visible_at=T0 - timedelta(hours=2),
+                finished_at=T0 - timedelta(hours=1),
+                dead_reason=reason,
+                superseded_by=superseded_by,
+                last_error="warehouse timeout",
+            )
+            .returning(queue.c.id)
+        ).scalar_one()
+    )
+
+
+def queued(conn: sa.Connection, key: str) -> int:
+    return int(
+        conn.execute(
+            sa.insert(queue)
+            .values(kind="enrich", key=key, reason="updated", state="queued", max_attempts=3)
+            .returning(queue.c.id)
+        ).scalar_one()
+    )
+
+
+def get(conn: sa.Connection, row_id: int) -> sa.Row[tuple[object, ...]]:
+    return conn.execute(sa.select(queue).where(queue.c.id == row_id)).one()
+
+
+def states(conn: sa.Connection) -> dict[int, str]:
+    return {r.id: r.state for r in conn.execute(sa.select(queue.c.id, queue.c.state))}
+
+
+# -- list
+
+
+def test_list_is_newest_first_and_filters_by_reason(conn: sa.Connection) -> None:
+    a = dead(conn, "T-1")
+    b = dead(conn, "T-2", "superseded")
+    c = dead(conn, "T-3")
+    queued(conn, "T-4")
+    assert [d.id for d in dlq.list_dead(conn)] == [c, b, a]
+    assert [d.id for d in dlq.list_dead(conn, reason="attempts_exhausted")] == [c, a]
+    assert [d.id for d in dlq.list_dead(conn, reason="superseded")] == [b]
+    assert [d.id for d in dlq.list_dead(conn, limit=1)] == [c]
+    first = dlq.list_dead(conn)[0]
+    assert (first.key, first.dead_reason, first.attempts, first.last_error) == (
+        "T-3",
+        "attempts_exhausted",
+        3,
+        "warehouse timeout",
+    )
+
+
+def test_list_refuses_bad_input(conn: sa.Connection) -> None:
+    with pytest.raises(DlqInputError, match="unknown dead reason 'tired'"):
+        dlq.list_dead(conn, reason="tired")
+    with pytest.raises(DlqInputError, match="limit"):
+        dlq.list_dead(conn, limit=0)
+
+
+def test_list_cli_prints_json_lines_and_a_table(
+    db_engine: sa.Engine, db_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with db_engine.begin() as conn:
+        a = dead(conn, "T-1")
+        b = dead(conn, "T-2", "superseded", superseded_by=a)
+    settings = make_settings(db_url)
+    dlq.list_cli(settings, db_url, reason=None, limit=10, as_json=True)
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["id"], r["dead_reason"], r["superseded_by"]) for r in lines] == [
+        (b, "superseded", a),
+        (a, "attempts_exhausted", None),
+    ]
+    dlq.list_cli(settings, db_url, reason="superseded", limit=10, as_json=False)
+    table = capsys.readouterr().out
+    assert "T-2" in table
+    assert "T-1" not in table
+
+
+def test_list_cli_bad_reason_is_a_one_line_error(
+    db_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        dlq.list_cli(make_settings(db_url), db_url, reason="tired", limit=10, as_json=True)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("enrichq: unknown dead reason")
+    assert err.count("\n") == 1
+
+
+# -- redrive
+
+
+def test_redrive_by_id_resets_the_row(conn: sa.Connection) -> None:
+    row_id = dead(conn, "T-1")
+    other = dead(conn, "T-2")
+    result = dlq.redrive(conn, ids=[row_id], now=T0)
+    assert [(r.id, r.redriven, r.into_id) for r in result.rows] == [(row_id, True, row_id)]
+    row = get(conn, row_id)
+    assert (row.state, row.attempts, row.max_attempts, row.reason) == ("queued", 0, 3, "redrive")
+    assert (row.visible_at, row.updated_at) == (T0, T0)
+    assert (row.dead_reason, row.superseded_by, row.finished_at) == (None, None, None)
+    # kept: why it died, until the next attempt says otherwise
+    assert row.last_error == "warehouse timeout"
+    assert get(conn, other).state == "dead_letter"
+
+
+def test_redrive_by_reason_and_all(conn: sa.Connection) -> None:
+    exhausted = dead(conn, "T-1")
+    superseded = dead(conn, "T-2", "superseded")
+    result = dlq.redrive(conn, reason="superseded", now=T0)
+    assert [r.id for r in result.redriven] == [superseded]
+    assert get(conn, exhausted).state == "dead_letter"
+    more = dead(conn, "T-3", "superseded")
+    result = dlq.redrive(conn, all_rows=True, now=T0)
+    assert sorted(r.id for r in result.redriven) == sorted([exhausted, more])
+    assert set(states(conn).values()) == {"queued"}
+
+
+def test_redrive_merges_into_a_queued_row_of_the_key(conn: sa.Connection) -> None:
+    row_id = dead(conn, "T-1")
+    waiting = queued(conn, "T-1")
+    result = dlq.redrive(conn, ids=[row_id], now=T0)
+    assert result.redriven == ()
+    assert [(r.id, r.redriven, r.into_id) for r in result.merged] == [(row_id, False, waiting)]
+    assert get(conn, row_id).state == "dead_letter"
+    assert get(conn, row_id).dead_reason == "attempts_exhausted"
+
+
+@pytest.mark.parametrize("batch_size", [1, 1000])
+def test_several_dead_letters_of_one_key_only_the_newest_is_queued(
+    conn: sa.Connection, batch_size: int
+) -> None:
+    older = dead(conn, "T-1")
+    other_key = dead(conn, "T-2")
+    newer = dead(conn, "T-1", "superseded")
+    result = dlq.redrive(conn, all_rows=True, batch_size=batch_size, now=T0)
+    assert sorted(r.id for r in result.redriven) == sorted([newer, other_key])
+    assert [(r.id, r.into_id) for r in result.merged] == [(older, newer)]
+    assert states(conn) == {older: "dead_letter", other_key: "queued", newer: "queued"}
+
+
+def test_redrive_of_ids_that_are_not_dead_letters_changes_nothing(conn: sa.Connection) -> None:
+    row_id = dead(conn, "T-1")
+    live = queued(conn, "T-2")
+    with pytest.raises(DlqInputError, match=f"not dead letters: {live}, 999999"):
+        dlq.redrive(conn, ids=[row_id, live, 999999], now=T0)
+    assert get(conn, row_id).state == "dead_letter"
+
+
+def test_redrive_needs_exactly_one_selection(conn: sa.Connection) -> None:
+    with pytest.raises(DlqInputError, match="exactly one"):
+        dlq.redrive(conn)
+    with pytest.raises(DlqInputError, match="exactly one"):
+        dlq.redrive(conn, ids=[1], all_rows=True)
+    with pytest.raises(DlqInputError, match="unknown dead reason"):
+        dlq.redrive(conn, reason="tired")
+
+
+def test_redrive_cli_dry_run_reports_and_changes_nothing(
+    db_engine: sa.Engine, db_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with db_engine.begin() as conn:
+        a = dead(conn, "T-1")
+        b = dead(conn, "T-1")
+        c = dead(conn, "T-2", "superseded")
+        before = conn.execute(sa.select(queue).order_by(queue.c.id)).all()
+    settings = make_settings(db_url)
+    dlq.redrive_cli(settings, db_url, ids=[], reason=None, all_rows=True, dry_run=True)
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        f"{a}\tenrich\tT-1\twould be merged into queued row {b}",
+        f"{b}\tenrich\tT-1\twould be redriven",
+        f"{c}\tenrich\tT-2\twould be redriven",
+        "2 would be redriven, 1 would be merged (dry run: nothing changed)",
+    ]
+    with db_engine.connect() as conn:
+        assert conn.execute(sa.select(queue).order_by(queue.c.id)).all() == before
+
+
+def test_redrive_cli_commits_and_reports(
+    db_engine: sa.Engine, db_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with db_engine.begin() as conn:
+        a = dead(conn, "T-1")
+    dlq.redrive_cli(
+        make_settings(db_url), db_url, ids=[a], reason=None, all_rows=False, dry_run=False
+    )
+    assert capsys.readouterr().out.splitlines() == [
+        f"{a}\tenrich\tT-1\tredriven",
+        "1 redriven, 0 merged",
+    ]
+    with db_engine.connect() as conn:
+        assert get(conn, a).state == "queued"
+    dlq.redrive_cli(
+        make_settings(db_url), db_url, ids=[], reason="superseded", all_rows=False, dry_run=False
+    )
+    assert "nothing to redrive" in capsys.readouterr().out
+
+
+def test_redrive_cli_bad_id_is_a_one_line_error_and_changes_nothing(
+    db_engine: sa.Engine, db_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with db_engine.begin() as conn:
+        a = dead(conn, "T-1")
+    with pytest.raises(SystemExit) as exit_info:
+        dlq.redrive_cli(
+            make_settings(db_url), db_url, ids=[a, a + 1], reason=None, all_rows=False,
+            dry_run=False,
+        )  # fmt: skip
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"enrichq: dlq redrive: not dead letters: {a + 1}; nothing changed\n"
+    with db_engine.connect() as conn:
+        assert get(conn, a).state == "dead_letter"
+
+
+def test_listing_by_reason_uses_the_dead_letter_index(conn: sa.Connection) -> None:
+    dead(conn, "T-1")
+    conn.execute(sa.text("SET LOCAL enable_seqscan = off"))
+    plan = conn.execute(
+        sa.text("EXPLAIN (FORMAT JSON) " + sweeper_sql()["dlq_list_by_reason"].sql),
+        {"reason": "superseded", "limit": 10},
+    ).scalar_one()
+    assert "queue_dead_reason_idx" in json.dumps(plan)
+
+
+def test_the_cli_commands_reach_the_sweeper(
+    db_engine: sa.Engine,
+    db_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from enrichq_service.cli import main
+
+    with db_engine.begin() as conn:
+        a = dead(conn, "T-1")
+    monkeypatch.setenv("ENRICHQ_DATABASE_URL", db_url)
+    assert main(["dlq", "list", "--json", "--reason", "attempts_exhausted"]) == 0
+    assert json.loads(capsys.readouterr().out)["id"] == a
+    assert main(["dlq", "redrive", "--id", str(a), "--dry-run"]) == 0
+    assert "would be redriven" in capsys.readouterr().out
+    assert main(["dlq", "redrive", "--id", str(a + 1)]) == 2
+    assert "not dead letters" in capsys.readouterr().err
+    with db_engine.connect() as conn:
+        assert get(conn, a).state == "dead_letter"
