@@ -7,6 +7,7 @@ lease was lost is simply absent from the answer, never an exception.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -169,6 +170,21 @@ def enqueue(
             seen.add(row.inserted_id)
         results.append(EnqueueResult(row.key, row.kind, row_id, inserted))
         metrics.enqueued_total.labels(row.kind, "inserted" if inserted else "merged").inc()
+    unseen = [r for r in results if r.id is None]
+    if unseen:
+        # Merged into a row a concurrent enqueue committed after our snapshot: a new
+        # statement (a new snapshot under READ COMMITTED) finds it.
+        found = {
+            (r.kind, r.key): r.id
+            for r in conn.execute(
+                SQL("queue_queued_ids"),
+                {"kinds": [r.kind for r in unseen], "keys": [r.key for r in unseen]},
+            )
+        }
+        results = [
+            dataclasses.replace(r, id=found.get((r.kind, r.key))) if r.id is None else r
+            for r in results
+        ]
     return results
 
 

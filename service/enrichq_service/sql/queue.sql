@@ -291,6 +291,16 @@ WHERE q.id = held.id AND q.state = 'leased' AND q.lease_expires_at > clock.now
 RETURNING q.id, q.state;
 
 
+-- name: queue_queued_ids
+-- The queued row of each (kind, key): for merges that waited on a concurrent enqueue, whose
+-- row committed after the enqueue statement's snapshot and so was not visible to it.
+SELECT q.kind, q.key, q.id
+FROM enrichq.queue AS q
+JOIN unnest(CAST(:kinds AS text[]), CAST(:keys AS text[])) AS k(kind, key)
+    ON q.kind = k.kind AND q.key = k.key
+WHERE q.state = 'queued';
+
+
 -- name: queue_get
 -- One row by id, every column (tests and the CLI).
 SELECT * FROM enrichq.queue WHERE id = :id;

@@ -1,0 +1,1 @@
+"""Benchmarks: run as modules (`python -m tests.bench.bench_queue`), never collected by pytest."""

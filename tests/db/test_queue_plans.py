@@ -1,0 +1,361 @@
+"""The hot queue statements read only open rows: EXPLAIN proves it with a long history.
+
+The table holds 200,000 terminal rows and a few hundred open ones (ANALYZEd), like a
+queue that has run for a while. Every plan is walked node by node: no statement may scan
+enrichq.queue sequentially, and the scans it does use are the partial indexes over open
+rows (DESIGN §3 "Indexes") or, for lookups by id, the primary key.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from tests.support.pg import Databases
+
+from enrichq_schema.db import create_engine
+from enrichq_schema.queries import Queries, load
+from enrichq_schema.states import OWNERLESS_PRIORITY
+
+QUEUE_SQL = load("enrichq_service", "sql/queue.sql")
+OBSERVE_SQL = load("enrichq_service", "sql/observe.sql")
+SWEEPER_SQL = load("enrichq_sweeper", "sql/sweeper.sql")
+
+TERMINAL_ROWS = 200_000
+OWNER = "w-1"
+BATCH = 50
+
+FILL = """
+INSERT INTO enrichq.tenants (tenant, plan, priority)
+VALUES ('acme', 'standard', 1), ('globex', 'priority', 2), ('initech', 'free', 0);
+
+-- the history: done, failed and dead-letter rows of both kinds and every tenant
+INSERT INTO enrichq.queue (kind, key, tenant, priority, reason, state, visible_at, attempts,
+                           max_attempts, finished_at, dead_reason, last_error, created_at)
+SELECT CASE WHEN g % 10 = 0 THEN 'refresh' ELSE 'enrich' END, 'H-' || g,
+       (ARRAY['acme', 'globex', 'initech', NULL])[1 + g % 4], 1, 'created',
+       (ARRAY['done', 'done', 'done', 'failed', 'dead_letter'])[1 + g % 5],
+       now() - interval '2 days', 1, 5, now() - make_interval(secs => g),
+       CASE WHEN g % 5 = 4 THEN 'attempts_exhausted' END,
+       CASE WHEN g % 5 >= 3 THEN 'boom' END, now() - interval '3 days'
+FROM generate_series(1, :terminal) AS g;
+
+-- the backlog: visible now, visible in 5 minutes, visible 5 minutes ago
+INSERT INTO enrichq.queue (kind, key, tenant, priority, reason, visible_at, max_attempts)
+SELECT CASE WHEN g % 10 = 0 THEN 'refresh' ELSE 'enrich' END, 'Q-' || g,
+       (ARRAY['acme', 'globex', 'initech', NULL])[1 + g % 4], 1, 'updated',
+       now() + make_interval(secs => (g % 3 - 1) * 300), 5
+FROM generate_series(1, 300) AS g;
+
+-- in-flight work of ten workers: some leases live, some expired
+INSERT INTO enrichq.queue (kind, key, tenant, priority, reason, state, visible_at, attempts,
+                           max_attempts, lease_owner, lease_expires_at, heartbeat_at)
+SELECT 'enrich', 'L-' || g, NULL, 1, 'updated', 'leased', now() - interval '5 minutes', 1, 5,
+       'w-' || (g % 10), now() + make_interval(secs => (g % 4 - 1) * 60), now()
+FROM generate_series(1, 200) AS g;
+
+INSERT INTO enrichq.tenant_served (kind, tenant, bucket, served)
+SELECT 'enrich', t, date_trunc('hour', now()) - make_interval(hours => h), 10
+FROM unnest(ARRAY['', 'acme', 'globex', 'initech']) AS t, generate_series(0, 24) AS h;
+"""
+
+SCAN_TYPES = {"Seq Scan", "Index Scan", "Index Only Scan", "Bitmap Heap Scan", "Tid Scan"}
+
+
+@dataclass(frozen=True)
+class History:
+    """The filled database: its engine, the queue's indexes, and the leases OWNER holds."""
+
+    engine: sa.Engine
+    partial_indexes: frozenset[str]
+    primary_key: str
+    held_ids: list[int]
+    held_attempts: list[int]
+
+
+@pytest.fixture(scope="module")
+def history(databases: Databases) -> Iterator[History]:
+    url = databases.clone("plans")
+    engine = create_engine(url, pool_size=2)
+    try:
+        with engine.begin() as conn:
+            for statement in filter(str.strip, FILL.split(";")):
+                conn.execute(sa.text(statement), {"terminal": TERMINAL_ROWS})
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(sa.text("VACUUM ANALYZE enrichq.queue"))
+            conn.execute(sa.text("ANALYZE"))
+        with engine.connect() as conn:
+            indexes = conn.execute(
+                sa.text(
+                    "SELECT c.relname, i.indpred IS NOT NULL AS partial, i.indisprimary"
+                    " FROM pg_index AS i JOIN pg_class AS c ON c.oid = i.indexrelid"
+                    " WHERE i.indrelid = 'enrichq.queue'::regclass"
+                )
+            ).all()
+            held = conn.execute(
+                sa.text(
+                    "SELECT id, attempts FROM enrichq.queue"
+                    " WHERE state = 'leased' AND lease_owner = :owner ORDER BY id"
+                ),
+                {"owner": OWNER},
+            ).all()
+        yield History(
+            engine=engine,
+            partial_indexes=frozenset(r.relname for r in indexes if r.partial),
+            primary_key=next(r.relname for r in indexes if r.indisprimary),
+            held_ids=[r.id for r in held],
+            held_attempts=[r.attempts for r in held],
+        )
+    finally:
+        engine.dispose()
+        databases.drop(url)
+
+
+# -- walking plans
+
+
+def walk(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Every node of a plan tree, depth first."""
+    yield node
+    for child in node.get("Plans", []):
+        yield from walk(child)
+
+
+def explain(
+    conn: sa.Connection, sql: str, params: dict[str, Any], *, analyze: bool = False
+) -> dict[str, Any]:
+    """The JSON plan of `sql` with bound parameters (ANALYZE runs it: roll back after)."""
+    options = "ANALYZE, BUFFERS, FORMAT JSON" if analyze else "FORMAT JSON"
+    raw = conn.execute(sa.text(f"EXPLAIN ({options}) {sql}"), params).scalar_one()
+    document = json.loads(raw) if isinstance(raw, str) else raw
+    plan: dict[str, Any] = document[0]["Plan"]
+    return plan
+
+
+def queue_scans(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """The nodes that read enrichq.queue (not the ones that write it)."""
+    return [
+        n for n in walk(plan) if n["Node Type"] in SCAN_TYPES and n.get("Relation Name") == "queue"
+    ]
+
+
+def indexes_used(plan: dict[str, Any]) -> set[str]:
+    """Names of the queue's indexes a plan reads, bitmap index scans included."""
+    names = {n["Index Name"] for n in queue_scans(plan) if "Index Name" in n}
+    for heap in (n for n in queue_scans(plan) if n["Node Type"] == "Bitmap Heap Scan"):
+        names |= {n["Index Name"] for n in walk(heap) if n["Node Type"] == "Bitmap Index Scan"}
+    return names
+
+
+def work(plan: dict[str, Any], index_filter: Callable[[str], bool]) -> tuple[float, int]:
+    """Rows read (kept or filtered away, all loops) and buffers touched by the queue scans
+    through matching indexes; a sequential scan of the queue counts whatever the filter."""
+    rows, blocks = 0.0, 0
+    for node in queue_scans(plan):
+        name = node.get("Index Name")
+        if node["Node Type"] == "Seq Scan" or (name is not None and index_filter(name)):
+            per_loop = node["Actual Rows"] + node.get("Rows Removed by Filter", 0)
+            rows += per_loop * node["Actual Loops"]
+            blocks += node["Shared Hit Blocks"] + node["Shared Read Blocks"]
+    return rows, blocks
+
+
+def assert_reads_only_open_rows(
+    plan: dict[str, Any], history: History, *, expected: set[str], by_id: bool
+) -> None:
+    scans = queue_scans(plan)
+    seq = [n for n in scans if n["Node Type"] == "Seq Scan"]
+    assert not seq, f"sequential scan of enrichq.queue: {seq}"
+    assert all(n["Node Type"] != "Tid Scan" for n in scans)
+    used = indexes_used(plan)
+    allowed = set(history.partial_indexes) | ({history.primary_key} if by_id else set())
+    assert used <= allowed, f"reads indexes over the whole history: {used - allowed}"
+    assert expected <= used, f"expected {expected} among the indexes used, got {used}"
+
+
+# -- the statements, with realistic parameters
+
+
+def _settle(history: History, **extra: Any) -> dict[str, Any]:
+    ids = history.held_ids
+    return {"ids": ids, "attempts": history.held_attempts, "owner": OWNER, "now": None} | {
+        k: v if not callable(v) else v(len(ids)) for k, v in extra.items()
+    }
+
+
+STATEMENTS: dict[str, tuple[Queries, str, Callable[[History], dict[str, Any]], set[str], bool]] = {
+    # name: (file, query, params, indexes that must appear, lookups by id allowed)
+    "claim": (
+        QUEUE_SQL,
+        "queue_claim_batch",
+        lambda h: {
+            "kind": "enrich",
+            "owner": OWNER,
+            "limit": BATCH,
+            "lease_seconds": 60.0,
+            "middle_priority": OWNERLESS_PRIORITY,
+            "now": None,
+        },
+        {"queue_claim_idx"},
+        True,
+    ),
+    "heartbeat": (
+        QUEUE_SQL,
+        "queue_heartbeat",
+        lambda h: _settle(h, lease_seconds=60.0),
+        set(),
+        True,
+    ),
+    "complete": (QUEUE_SQL, "queue_complete", _settle, set(), True),
+    "fail": (
+        QUEUE_SQL,
+        "queue_fail",
+        lambda h: _settle(h, errors=lambda n: ["bad payload"] * n),
+        set(),
+        True,
+    ),
+    "retry": (
+        QUEUE_SQL,
+        "queue_retry",
+        lambda h: _settle(h, errors=lambda n: ["timeout"] * n, backoff_base=5.0, backoff_cap=300.0),
+        {"queue_queued_key_uq"},
+        True,
+    ),
+    "defer": (
+        QUEUE_SQL,
+        "queue_defer",
+        lambda h: _settle(h, untils=lambda n: [None] * n),
+        {"queue_queued_key_uq"},
+        True,
+    ),
+    "enqueue_merge": (
+        QUEUE_SQL,
+        "queue_enqueue",
+        lambda h: {
+            "kinds": ["enrich"] * 20,
+            "keys": [f"Q-{i}" for i in range(1, 21)],
+            "tenants": [None] * 20,
+            "reasons": ["updated"] * 20,
+            "payloads": ["{}"] * 20,
+            "delays": [120.0] * 20,
+            "priorities": [None] * 20,
+            "max_attempts": [5] * 20,
+            "middle_priority": OWNERLESS_PRIORITY,
+            "now": None,
+        },
+        {"queue_queued_key_uq"},
+        False,
+    ),
+    "sweeper_expired_scan": (
+        SWEEPER_SQL,
+        "recovery_scan",
+        lambda h: {"now": None, "after_id": 0, "batch_size": 1000},
+        {"queue_leased_expiry_idx"},
+        False,
+    ),
+    "observe_open_counts": (OBSERVE_SQL, "observe_open_counts", lambda h: {}, set(), False),
+    "observe_oldest_visible": (
+        OBSERVE_SQL,
+        "observe_oldest_visible",
+        lambda h: {"now": None},
+        {"queue_claim_idx"},
+        False,
+    ),
+    "observe_leases": (OBSERVE_SQL, "observe_leases", lambda h: {"now": None}, set(), False),
+    "observe_dead_letters": (
+        OBSERVE_SQL,
+        "observe_dead_letters_by_reason",
+        lambda h: {},
+        {"queue_dead_reason_idx"},
+        False,
+    ),
+}
+
+
+def test_the_fixture_is_a_long_history_with_open_work(history: History) -> None:
+    with history.engine.connect() as conn:
+        counts: dict[str, int] = dict(
+            conn.execute(sa.text("SELECT state, count(*) FROM enrichq.queue GROUP BY state")).all()
+        )
+    assert counts["done"] + counts["failed"] + counts["dead_letter"] == TERMINAL_ROWS
+    assert counts["queued"] == 300
+    assert counts["leased"] == 200
+    assert len(history.held_ids) == 20
+    assert "queue_claim_idx" in history.partial_indexes
+
+
+@pytest.mark.parametrize("statement", sorted(STATEMENTS))
+def test_statement_reads_only_open_rows(history: History, statement: str) -> None:
+    queries, name, params, expected, by_id = STATEMENTS[statement]
+    with history.engine.connect() as conn:
+        plan = explain(conn, queries[name].sql, params(history))
+    assert_reads_only_open_rows(plan, history, expected=expected, by_id=by_id)
+
+
+def test_open_counts_read_only_the_open_row_indexes(history: History) -> None:
+    with history.engine.connect() as conn:
+        plan = explain(conn, OBSERVE_SQL["observe_open_counts"].sql, {})
+    used = indexes_used(plan)
+    assert used, "counts open rows without an index"
+    assert all(history.partial_indexes.__contains__(name) for name in used)
+    assert "queue_dead_reason_idx" not in used
+    assert "queue_terminal_finished_idx" not in used
+
+
+# -- claim work is bounded by the batch, not by the backlog or the in-flight leases
+
+
+# Live leases of other keys, held by a busy fleet of workers.
+LEASES = (
+    "INSERT INTO enrichq.queue (kind, key, reason, state, visible_at, attempts, max_attempts,"
+    "  lease_owner, lease_expires_at)"
+    " SELECT 'enrich', 'BL-' || g, 'manual', 'leased', now() - interval '1 hour', 1, 5,"
+    "  'w-busy-' || (g % 100), now() + interval '1 hour'"
+    " FROM generate_series(1, :n) AS g"
+)
+
+
+def _claim_plan_with(conn: sa.Connection, extra_rows_sql: str) -> dict[str, Any]:
+    """Add rows inside the caller's transaction and run the claim under EXPLAIN ANALYZE."""
+    conn.execute(sa.text(extra_rows_sql))
+    return _claim_plan(conn)
+
+
+def _claim_plan(conn: sa.Connection) -> dict[str, Any]:
+    """ANALYZE what the caller's transaction added, then run the claim under EXPLAIN ANALYZE."""
+    conn.execute(sa.text("ANALYZE enrichq.queue"))
+    _, name, params, _, _ = STATEMENTS["claim"]
+    return explain(conn, QUEUE_SQL[name].sql, params(None), analyze=True)  # type: ignore[arg-type]
+
+
+def test_claim_reads_a_batch_not_the_whole_backlog(history: History) -> None:
+    """A 5,000-row visible backlog of the first tenant served, 2,000 jobs in flight: the
+    claim reads about one batch of the backlog."""
+    with history.engine.connect() as conn, conn.begin() as tx:
+        conn.execute(sa.text(LEASES), {"n": 2000})
+        plan = _claim_plan_with(
+            conn,
+            "INSERT INTO enrichq.queue (kind, key, tenant, priority, reason, visible_at,"
+            "  max_attempts)"
+            " SELECT 'enrich', 'B-' || g, 'globex', 2, 'manual',"
+            "  now() - make_interval(secs => g), 5"
+            " FROM generate_series(1, 5000) AS g",
+        )
+        tx.rollback()
+    rows, _ = work(plan, lambda name: name == "queue_claim_idx")
+    assert rows <= 4 * BATCH, f"the claim read {rows:.0f} queued rows to lease {BATCH}"
+
+
+def test_claim_probes_live_leases_by_key(history: History) -> None:
+    """20,000 live leases on other keys: checking the candidates' keys costs ~a probe each."""
+    with history.engine.connect() as conn, conn.begin() as tx:
+        conn.execute(sa.text(LEASES), {"n": 20_000})
+        plan = _claim_plan(conn)
+        tx.rollback()
+    rows, blocks = work(plan, lambda name: name.startswith("queue_leased"))
+    assert rows <= 2 * BATCH, f"the claim read {rows:.0f} leased rows to check {BATCH} keys"
+    assert blocks <= 6 * BATCH, f"the claim touched {blocks} buffers to check {BATCH} keys"
