@@ -61,22 +61,23 @@ def seed_world(
     order_rows: list[dict[str, object]] = []
     orders_of: dict[str, list[dict[str, object]]] = {}
     for c in range(customers):
-        cid = f"C-{c:06d}"
+        customer_id = f"C-{c:06d}"
         for o in range(rng.choice((0, 1, 2, 3, 3, 4, 5))):
             row = {
                 "order_id": f"O-{c:06d}-{o}",
-                "customer_id": cid,
+                "customer_id": customer_id,
                 "placed_at": now - age - timedelta(days=rng.randint(1, 400)),
                 "total": Decimal(rng.randint(500, 50_000)) / 100,
             }
             order_rows.append(row)
-            orders_of.setdefault(cid, []).append(row)
+            orders_of.setdefault(customer_id, []).append(row)
     ticket_rows: list[dict[str, object]] = []
     legacy_rows: list[dict[str, object]] = []
     lost = partial = late = empty = unknown = 0
     for t in range(tickets):
         tid = f"T-{t:06d}"
         created = now - age * rng.random() - timedelta(hours=1)
+        cid: str | None
         if rng.random() < 0.03:
             email = f"stranger{t}@example.org"  # nobody in the warehouse: an empty result
             unknown += 1

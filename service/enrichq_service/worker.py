@@ -214,8 +214,8 @@ class Worker:
 
     def _claim_round(self, pool: ThreadPoolExecutor) -> tuple[bool, Budget | None]:
         """Claim one batch from the first stage that has work; dispatch it."""
-        held = self._held_count()
-        free = self.settings.concurrency - held
+        in_flight = self._held_count()
+        free = self.settings.concurrency - in_flight
         # With the budget spent, work is still claimed: its handler defers it to the reset,
         # so it stops counting as visible backlog instead of waiting in plain sight.
         budget = self._read_budget()
@@ -225,7 +225,7 @@ class Worker:
         now = time.monotonic()
         if self._free_since is None:
             self._free_since = now
-        gathering = held and free * 2 < self.settings.concurrency
+        gathering = in_flight and free * 2 < self.settings.concurrency
         if gathering and now - self._free_since < CLAIM_GATHER_SECONDS:
             return False, budget
         lease = self.settings.lease_seconds
@@ -242,8 +242,8 @@ class Worker:
             self._free_since = None
             metrics.jobs_in_flight.set(self._held_count())
             self._result.counts["claimed"] += len(jobs)
-            for held in batch:
-                pool.submit(self._execute, held)
+            for job in batch:
+                pool.submit(self._execute, job)
             return True, budget
         return False, budget
 
