@@ -307,10 +307,17 @@ def _run(entry: click.Command, args: list[str] | None) -> int:
     try:
         entry.main(args=args, prog_name="enrichq", standalone_mode=False)
     except click.exceptions.NoArgsIsHelpError as exc:
-        click.echo(exc.ctx.get_help() if exc.ctx else str(exc))
+        if exc.ctx is None or exc.ctx.parent is None:
+            click.echo(exc.ctx.get_help() if exc.ctx else str(exc))  # bare `enrichq`
+        else:
+            group = exc.ctx.command
+            names = ", ".join(group.list_commands(exc.ctx))  # type: ignore[attr-defined]
+            where = exc.ctx.command_path.removeprefix("enrichq ")
+            click.echo(f"enrichq: {where}: missing command ({names})", err=True)
         return EXIT_USAGE
     except click.UsageError as exc:
-        where = f"{exc.ctx.command_path}: " if exc.ctx else ""
+        where = f"{exc.ctx.command_path.removeprefix('enrichq').strip()}: " if exc.ctx else ""
+        where = "" if where == ": " else where
         click.echo(f"enrichq: {where}{exc.format_message()}", err=True)
         return EXIT_USAGE
     except click.ClickException as exc:
