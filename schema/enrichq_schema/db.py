@@ -5,14 +5,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, make_url
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+RACE_RERUNS = 5
 
 EMBEDDED_DATABASE = "enrichq"
 MIGRATIONS = Path(__file__).parent / "migrations"
@@ -146,3 +148,31 @@ def head_revision() -> str | None:
     from alembic.script import ScriptDirectory
 
     return ScriptDirectory(str(MIGRATIONS)).get_current_head()
+
+
+def rerun_lost_races(conn: sa.Connection, statement: Callable[[], T]) -> T:
+    """Run `statement` in a savepoint; run it again when it lost a race to another transaction.
+
+    Two races are expected and short. A statement that puts a row back in the queue sees
+    the key's queued row when it was committed before the statement's snapshot; one
+    committed after shows up as a violation of the queued-key index instead. And a batch
+    that decides on its snapshot raises RaceLost when a row it meant to write changed in
+    the meantime. A new statement has a snapshot that sees the other transaction's work.
+    """
+    import sqlalchemy.exc as sa_exc
+
+    from enrichq_schema.errors import RaceLost, constraint_name
+    from enrichq_schema.tables import QUEUED_KEY_INDEX
+
+    for attempt in range(RACE_RERUNS):
+        last = attempt == RACE_RERUNS - 1
+        try:
+            with conn.begin_nested():
+                return statement()
+        except sa_exc.IntegrityError as exc:
+            if constraint_name(exc) != QUEUED_KEY_INDEX or last:
+                raise
+        except RaceLost:
+            if last:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover

@@ -47,6 +47,9 @@ def _created_at() -> sa.Column[object]:
     )
 
 
+# The partial unique index that makes a second enqueue of a queued (kind, key) a merge.
+QUEUED_KEY_INDEX = "queue_queued_key_uq"
+
 # Text of the partial-index predicates. Queries must imply them, so they are written once.
 QUEUED = "state = 'queued'"
 LEASED = "state = 'leased'"
@@ -98,7 +101,7 @@ queue = sa.Table(
         "superseded_by IS NULL OR dead_reason = 'superseded'", name="superseded_has_reason"
     ),
     # Merge: one queued row per (kind, key); a second enqueue is a no-op.
-    sa.Index("queue_queued_key_uq", "kind", "key", unique=True, postgresql_where=sa.text(QUEUED)),
+    sa.Index(QUEUED_KEY_INDEX, "kind", "key", unique=True, postgresql_where=sa.text(QUEUED)),
     # Claim: per kind and tenant, visible rows oldest first. The tenant column lets a claim
     # walk the distinct tenants with a loose index scan instead of sorting the backlog.
     sa.Index(

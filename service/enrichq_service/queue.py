@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
-import sqlalchemy.exc as sa_exc
 
-from enrichq_schema.errors import constraint_name
+from enrichq_schema.db import rerun_lost_races
 from enrichq_schema.queries import load
 from enrichq_schema.states import (
     KEY_MAX_LENGTH,
@@ -35,12 +34,7 @@ if TYPE_CHECKING:
 
 SQL = load("enrichq_service", "sql/queue.sql")
 NOTIFY_CHANNEL = "enrichq_queue"
-QUEUED_KEY_INDEX = "queue_queued_key_uq"
-# A transition that races a concurrent enqueue of the same key re-runs and supersedes.
-SUPERSEDE_RETRIES = 5
 PAYLOAD_MAX_BYTES = 64 * 1024
-
-T = TypeVar("T")
 
 
 class QueueInputError(ServiceError):
@@ -336,7 +330,7 @@ def retry(
         "backoff_cap": float(backoff_cap_seconds),
         "now": now,
     }
-    rows = _superseding(conn, lambda: conn.execute(SQL("queue_retry"), params).all())
+    rows = rerun_lost_races(conn, lambda: conn.execute(SQL("queue_retry"), params).all())
     won = {r.id: Outcome.RETRY if r.state == State.QUEUED else Outcome.DEAD_LETTER for r in rows}
     _count_refused("retry", len(failures) - len(won))
     return won
@@ -359,26 +353,9 @@ def defer(
         "owner": owner,
         "now": now,
     }
-    rows = _superseding(conn, lambda: conn.execute(SQL("queue_defer"), params).all())
+    rows = rerun_lost_races(conn, lambda: conn.execute(SQL("queue_defer"), params).all())
     _count_refused("defer", len(deferrals) - len(rows))
     return {r.id for r in rows}
-
-
-def _superseding(conn: sa.Connection, statement: Callable[[], T]) -> T:
-    """Run a transition that may race an enqueue of the same key; on that race, run it again.
-
-    The statement supersedes when it sees a queued row for the key; a row inserted after
-    its snapshot shows up as a violation of the queued-key index instead. A savepoint
-    keeps the caller's transaction usable.
-    """
-    for attempt in range(SUPERSEDE_RETRIES):
-        try:
-            with conn.begin_nested():
-                return statement()
-        except sa_exc.IntegrityError as exc:
-            if constraint_name(exc) != QUEUED_KEY_INDEX or attempt == SUPERSEDE_RETRIES - 1:
-                raise
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _count_refused(operation: str, refused: int) -> None:

@@ -18,8 +18,9 @@ from tests.conftest import make_settings
 
 from enrichq_schema.db import create_engine
 from enrichq_schema.errors import constraint_name
+from enrichq_schema.tables import QUEUED_KEY_INDEX
 from enrichq_service import queue
-from enrichq_service.queue import QUEUED_KEY_INDEX, EnqueueRequest, EnqueueResult
+from enrichq_service.queue import EnqueueRequest, EnqueueResult
 from enrichq_service.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
