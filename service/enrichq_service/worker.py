@@ -182,6 +182,9 @@ class Worker:
                     result.stop_reason = StopReason.TIME_BUDGET
                     break
                 self._abandon_overdue()
+                # Read before the claim: a settle that commits during the claim (after its
+                # snapshot) may put a row back in the queue that this claim cannot see yet.
+                held_before_claim = self._held_count()
                 try:
                     claimed, budget = self._claim_round(pool)
                     backoff.reset()
@@ -191,7 +194,7 @@ class Worker:
                     continue
                 if claimed:
                     continue  # start again from the first stage
-                if drain and not self._held_count():
+                if drain and not held_before_claim:
                     exhausted = budget is not None and budget.exhausted
                     result.stop_reason = (
                         StopReason.BUDGET_EXHAUSTED if exhausted else StopReason.NO_WORK
