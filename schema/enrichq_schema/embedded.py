@@ -282,7 +282,7 @@ class EmbeddedPostgres:
                     continue
                 pid_file.unlink(missing_ok=True)
                 return
-            if not _alive(pid):
+            if not pid_alive(pid):
                 # A dead PID: postgres removes such a stale lock itself.
                 return
             if not _is_postmaster_of(pid, self._data_dir):
@@ -473,7 +473,7 @@ def _scratch_path(parent: Path, prefix: str) -> Path:
     """`parent/prefix-PID`, for work renamed into place when done; dead processes' are removed."""
     for old in parent.glob(f"{prefix}-*"):
         pid = old.name.rsplit("-", 1)[-1]
-        if not pid.isdigit() or int(pid) == os.getpid() or not _alive(int(pid)):
+        if not pid.isdigit() or int(pid) == os.getpid() or not pid_alive(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
     return parent / f"{prefix}-{os.getpid()}"
 
@@ -588,7 +588,7 @@ def _die_with_parent(parent_pid: int) -> Callable[[], None]:
     return preexec
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +14,7 @@ import sqlalchemy as sa
 import sqlalchemy.exc as sa_exc
 from tests.concurrent._claimer import ClaimReport, claim_until_empty
 from tests.conftest import make_settings
+from tests.support.procs import wait_for as shared_wait_for
 
 from enrichq_schema.db import create_engine
 from enrichq_schema.errors import constraint_name
@@ -54,10 +54,7 @@ def run_together(calls: list[Callable[[], T]], *, timeout: float = 60) -> list[T
 
 def wait_for(condition: Callable[[], bool], *, timeout: float = 30) -> None:
     """Poll `condition` until it holds; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met before the deadline"
-        time.sleep(0.02)
+    shared_wait_for(condition, timeout=timeout, interval=0.02)
 
 
 def count_states(engine: sa.Engine) -> dict[str, int]:

@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import IO, TypeVar
 
 import pytest
 import sqlalchemy as sa
+from tests.support.procs import wait_for as shared_wait_for
 
 from enrichq_sweeper.leader import SWEEPER_LOCK_ID
 
@@ -35,14 +35,9 @@ HOLDERS = sa.text(
 
 def wait_for(what: str, probe: Callable[[], T | None], timeout: float = DEADLINE_SECONDS) -> T:
     """Poll `probe` until it returns something truthy, or fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(0.05)
+    value = shared_wait_for(probe, timeout=timeout, what=what)
+    assert value is not None
+    return value
 
 
 class Sweeper:

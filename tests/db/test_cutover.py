@@ -12,6 +12,7 @@ import pytest
 import sqlalchemy as sa
 from tests.conftest import make_settings
 from tests.db.test_parity import add_ticket, create_sources
+from tests.support.procs import wait_for as shared_wait_for
 
 from enrichq_parity.cutover import (
     SHADOW_TABLE,
@@ -233,11 +234,7 @@ def _lock_waiters(engine: sa.Engine) -> int:
 
 
 def wait_for(condition: Callable[[], bool], what: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
+    shared_wait_for(condition, timeout=timeout, interval=0.02, what=what)
 
 
 # -- readers during the swap ----------------------------------------------------------------

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -16,6 +15,7 @@ from urllib.parse import parse_qs, urlsplit
 import psycopg
 import pytest
 import sqlalchemy as sa
+from tests.support.procs import wait_for as shared_wait_for
 
 from enrichq_schema import embedded
 from enrichq_schema.embedded import EmbeddedPostgres, EmbeddedPostgresError, default_data_dir
@@ -40,11 +40,7 @@ time.sleep(3600)
 
 
 def wait_for(condition: Callable[[], bool], what: str, timeout: float = DEADLINE) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.05)
+    shared_wait_for(condition, timeout=timeout, what=what)
 
 
 def traversable_by_others(path: Path) -> bool:
@@ -78,18 +74,8 @@ def postmaster_pid(base: Path) -> int:
 
 
 def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A killed server reparented to an init that does not reap stays a zombie: it is gone.
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+    """Alive and not a zombie: the launcher's own check."""
+    return embedded.pid_alive(pid)
 
 
 def processes_in(data_dir: Path) -> list[int]:
