@@ -10,11 +10,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine import URL, ExecutionContext, make_url
+
+from enrichq_schema.queries import PREPARED_OPTION
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 RACE_RERUNS = 5
+# psycopg's prepare_threshold: never prepare by itself, yet honour execute(prepare=True)
+NEVER_AUTO_PREPARE = 2**31 - 1
 
 EMBEDDED_DATABASE = "enrichq"
 MIGRATIONS = Path(__file__).parent / "migrations"
@@ -41,11 +45,22 @@ def create_engine(
     statement_timeout_seconds: float | None = None,
     idle_in_transaction_timeout_seconds: float | None = None,
     isolation_level: str | None = None,
+    pre_ping: bool = True,
+    generic_plans: bool = False,
+    asynchronous_commit: bool = False,
 ) -> sa.Engine:
     """An engine whose pool checks connections before use, so a restarted server is survived.
 
     `idle_in_transaction_timeout_seconds` makes the server end a session whose transaction
     sits idle that long: a frozen process must not hold row locks that others wait on.
+    `pre_ping=False` skips that check (a round trip per checkout) for callers that retry a
+    failed transaction anyway; the first use after a restart then fails once and the pool
+    reconnects. `generic_plans=True` makes the prepared statements of this engine's
+    sessions keep one generic plan instead of planning again with each call's values; give
+    it only to an engine that runs statements whose generic plans are tested.
+    `asynchronous_commit=True` returns from COMMIT before its WAL reaches the disk
+    (`synchronous_commit=off`): a server crash may then undo the last fraction of a second
+    of this engine's commits. Only for work whose loss is harmless.
     """
     parsed = normalize_url(url)
     options: list[str] = []
@@ -54,27 +69,48 @@ def create_engine(
     if idle_in_transaction_timeout_seconds is not None:
         ms = int(idle_in_transaction_timeout_seconds * 1000)
         options.append(f"-c idle_in_transaction_session_timeout={ms}")
-    # No server-side prepared statements: after five runs psycopg would prepare a statement
-    # and Postgres would switch to a generic plan, which for our batch statements (array
-    # parameters, the optional :now) was 5-20x slower than planning with the real values.
+    if generic_plans:
+        options.append("-c plan_cache_mode=force_generic_plan")
+    if asynchronous_commit:
+        options.append("-c synchronous_commit=off")
+    # Server-side prepared statements only where a statement's header asks for them (the
+    # claim loop's hot statements): psycopg would otherwise prepare any statement run five
+    # times, and Postgres would then switch it to a generic plan, which for some batch
+    # statements (array parameters, the optional :now) was 5-20x slower than a plan made
+    # with the real values. A threshold nobody reaches keeps `prepare=True` working, which
+    # None would not.
     connect_args: dict[str, object] = {
         "application_name": application_name,
-        "prepare_threshold": None,
+        "prepare_threshold": NEVER_AUTO_PREPARE,
     }
     if options:
         connect_args["options"] = " ".join(options)
     kwargs: dict[str, Any] = {}
     if isolation_level is not None:
         kwargs["isolation_level"] = isolation_level
-    return sa.create_engine(
+    engine = sa.create_engine(
         parsed,
-        pool_pre_ping=True,
+        pool_pre_ping=pre_ping,
         pool_size=pool_size,
         max_overflow=pool_size,
         pool_recycle=1800,
         connect_args=connect_args,
         **kwargs,
     )
+    sa.event.listen(engine, "do_execute", _execute_prepared, retval=True)
+    return engine
+
+
+def _execute_prepared(
+    cursor: Any, statement: str, parameters: Any, context: ExecutionContext
+) -> bool:
+    """Run a statement marked `prepared` as a server-side prepared statement (psycopg
+    prepares it on the connection's first use and reuses it); leave the rest to SQLAlchemy.
+    Errors still pass through SQLAlchemy's handling (disconnects invalidate the pool)."""
+    if not context.execution_options.get(PREPARED_OPTION):
+        return False
+    cursor.execute(statement, parameters, prepare=True)
+    return True
 
 
 _embedded_lock = threading.Lock()

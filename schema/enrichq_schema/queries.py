@@ -1,4 +1,10 @@
-"""Named SQL: each ``.sql`` file holds queries under ``-- name: x`` headers, loaded once."""
+"""Named SQL: each ``.sql`` file holds queries under ``-- name: x`` headers, loaded once.
+
+A header may end in ``prepared`` (``-- name: queue_claim_batch prepared``): that statement
+runs as a server-side prepared statement on each connection (see `enrichq_schema.db`), so
+Postgres parses it once per connection and may keep its plan. Only the hot statements of
+the claim loop are marked; everything else is planned with its real parameter values.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,11 @@ from importlib import resources
 
 import sqlalchemy as sa
 
-_HEADER = re.compile(r"^--\s*name:\s*(?P<name>[a-z_][a-z0-9_]*)\s*$", re.MULTILINE)
+_HEADER = re.compile(r"^--\s*name:(?P<rest>.*)$", re.MULTILINE)
+_NAME = re.compile(r"[a-z_][a-z0-9_]*")
+_FLAGS = frozenset({"prepared"})
+# The execution option that makes `enrichq_schema.db`'s engines prepare a statement.
+PREPARED_OPTION = "enrichq_prepared"
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +31,7 @@ class Query:
     doc: str
     sql: str
     text: sa.TextClause
+    prepared: bool = False
 
 
 class Queries(Mapping[str, Query]):
@@ -56,7 +67,11 @@ def parse(source: str, text: str) -> Queries:
     for i, header in enumerate(headers):
         end = headers[i + 1].start() if i + 1 < len(headers) else len(text)
         body = text[header.end() : end].strip()
-        name = header["name"]
+        name, *flags = header["rest"].split() or [""]
+        if not _NAME.fullmatch(name):
+            raise ValueError(f"{source}: {name!r} is not a query name")
+        if unknown := set(flags) - _FLAGS:
+            raise ValueError(f"{source}: query {name!r} has unknown flags {sorted(unknown)}")
         if name in queries:
             raise ValueError(f"{source}: query {name!r} is defined twice")
         doc_lines: list[str] = []
@@ -69,7 +84,11 @@ def parse(source: str, text: str) -> Queries:
         sql = "\n".join(sql_lines).strip().rstrip(";")
         if not sql:
             raise ValueError(f"{source}: query {name!r} is empty")
-        queries[name] = Query(name, " ".join(doc_lines), sql, sa.text(sql))
+        prepared = "prepared" in flags
+        clause = sa.text(sql)
+        if prepared:
+            clause = clause.execution_options(**{PREPARED_OPTION: True})
+        queries[name] = Query(name, " ".join(doc_lines), sql, clause, prepared)
     return Queries(source, queries)
 
 
