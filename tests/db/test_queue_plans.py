@@ -9,6 +9,7 @@ rows (DESIGN §3 "Indexes") or, for lookups by id, the primary key.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -126,14 +127,61 @@ def walk(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 
 def explain(
-    conn: sa.Connection, sql: str, params: dict[str, Any], *, analyze: bool = False
+    conn: sa.Connection,
+    sql: str,
+    params: dict[str, Any],
+    *,
+    analyze: bool = False,
+    generic: bool = False,
 ) -> dict[str, Any]:
-    """The JSON plan of `sql` with bound parameters (ANALYZE runs it: roll back after)."""
+    """The JSON plan of `sql` (ANALYZE runs it: roll back after).
+
+    By default the plan is made with the parameter values, as for an unprepared statement.
+    `generic=True` gives the plan a prepared statement keeps once Postgres stops planning
+    it per call (what the claim engine's sessions force, and what `auto` may choose for
+    the statements marked `prepared`): the statement is PREPAREd with `$n` parameters and
+    EXPLAINed through EXECUTE under plan_cache_mode = force_generic_plan.
+    """
     options = "ANALYZE, BUFFERS, FORMAT JSON" if analyze else "FORMAT JSON"
-    raw = conn.execute(sa.text(f"EXPLAIN ({options}) {sql}"), params).scalar_one()
+    if not generic:
+        raw = conn.execute(sa.text(f"EXPLAIN ({options}) {sql}"), params).scalar_one()
+    else:
+        names: list[str] = []
+
+        def number(match: re.Match[str]) -> str:
+            if match[1] not in names:
+                names.append(match[1])
+            return f"${names.index(match[1]) + 1}"
+
+        body = PARAMETER.sub(number, sql)
+        values = ", ".join(sql_literal(params[name]) for name in names)
+        conn.exec_driver_sql("SET LOCAL plan_cache_mode = force_generic_plan")
+        conn.exec_driver_sql(f"PREPARE generic_probe AS {body}")
+        try:
+            raw = conn.exec_driver_sql(
+                f"EXPLAIN ({options}) EXECUTE generic_probe({values})"
+            ).scalar_one()
+        finally:
+            conn.exec_driver_sql("DEALLOCATE generic_probe")
     document = json.loads(raw) if isinstance(raw, str) else raw
     plan: dict[str, Any] = document[0]["Plan"]
     return plan
+
+
+PARAMETER = re.compile(r"(?<![:\w]):([a-z_][a-z0-9_]*)")
+
+
+def sql_literal(value: object) -> str:
+    """A parameter value as SQL text, for EXECUTE's arguments (test values only)."""
+    if value is None:
+        return "NULL"
+    if isinstance(value, bool | int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return "'" + value.replace("'", "''") + "'"
+    if isinstance(value, list):
+        return "ARRAY[" + ", ".join(sql_literal(v) for v in value) + "]"
+    raise TypeError(f"no literal for {value!r}")
 
 
 def queue_scans(plan: dict[str, Any]) -> list[dict[str, Any]]:
@@ -296,6 +344,47 @@ def test_statement_reads_only_open_rows(history: History, statement: str) -> Non
     assert_reads_only_open_rows(plan, history, expected=expected, by_id=by_id)
 
 
+PREPARED = sorted(name for name, entry in STATEMENTS.items() if entry[0][entry[1]].prepared)
+
+
+def test_the_prepared_statements_are_the_claim_loops() -> None:
+    assert PREPARED == ["claim", "complete", "heartbeat"]
+
+
+@pytest.mark.parametrize("statement", PREPARED)
+def test_prepared_statement_generic_plan_reads_only_open_rows(
+    history: History, statement: str
+) -> None:
+    """A prepared statement may run on its generic plan (the claim engine forces it): that
+    plan, made without the values, must read the same indexes."""
+    queries, name, params, expected, by_id = STATEMENTS[statement]
+    with history.engine.connect() as conn, conn.begin():
+        plan = explain(conn, queries[name].sql, params(history), generic=True)
+    assert_reads_only_open_rows(plan, history, expected=expected, by_id=by_id)
+
+
+def test_ticket_read_generic_plan_probes_the_mirror_by_id(history: History) -> None:
+    """The claim engine's other statement, on the default mirror table."""
+    from enrichq_service.enrich import SQL as ENRICH_SQL
+    from enrichq_service.seed import SQL as SEED_SQL
+
+    with history.engine.connect() as conn, conn.begin() as tx:
+        conn.execute(SEED_SQL("seed_create_helpdesk"))
+        conn.execute(
+            sa.text(
+                "INSERT INTO helpdesk.tickets (id) SELECT 'T-' || g FROM generate_series(1, 20000) g"
+            )
+        )
+        conn.execute(sa.text("ANALYZE helpdesk.tickets"))
+        sql = ENRICH_SQL["enrich_read_tickets"].sql.format(tickets="helpdesk.tickets")
+        plan = explain(conn, sql, {"ids": ["T-1", "T-2", "T-3"]}, analyze=True, generic=True)
+        tx.rollback()
+    scans = [n for n in walk(plan) if n["Node Type"] in SCAN_TYPES]
+    assert scans
+    assert all(n["Node Type"] != "Seq Scan" for n in scans), scans
+    assert sum(n["Actual Rows"] * n["Actual Loops"] for n in scans) == 3
+
+
 def test_open_counts_read_only_the_open_row_indexes(history: History) -> None:
     with history.engine.connect() as conn:
         plan = explain(conn, OBSERVE_SQL["observe_open_counts"].sql, {})
@@ -319,20 +408,25 @@ LEASES = (
 )
 
 
-def _claim_plan_with(conn: sa.Connection, extra_rows_sql: str) -> dict[str, Any]:
+def _claim_plan_with(conn: sa.Connection, extra_rows_sql: str, generic: bool) -> dict[str, Any]:
     """Add rows inside the caller's transaction and run the claim under EXPLAIN ANALYZE."""
     conn.execute(sa.text(extra_rows_sql))
-    return _claim_plan(conn)
+    return _claim_plan(conn, generic)
 
 
-def _claim_plan(conn: sa.Connection) -> dict[str, Any]:
+def _claim_plan(conn: sa.Connection, generic: bool) -> dict[str, Any]:
     """ANALYZE what the caller's transaction added, then run the claim under EXPLAIN ANALYZE."""
     conn.execute(sa.text("ANALYZE enrichq.queue"))
     _, name, params, _, _ = STATEMENTS["claim"]
-    return explain(conn, QUEUE_SQL[name].sql, params(None), analyze=True)  # type: ignore[arg-type]
+    sql = QUEUE_SQL[name].sql
+    return explain(conn, sql, params(None), analyze=True, generic=generic)  # type: ignore[arg-type]
 
 
-def test_claim_reads_a_batch_not_the_whole_backlog(history: History) -> None:
+PLANS = pytest.mark.parametrize("generic", [False, True], ids=["custom-plan", "generic-plan"])
+
+
+@PLANS
+def test_claim_reads_a_batch_not_the_whole_backlog(history: History, generic: bool) -> None:
     """A 5,000-row visible backlog of the first tenant served, 2,000 jobs in flight: the
     claim reads about one batch of the backlog."""
     with history.engine.connect() as conn, conn.begin() as tx:
@@ -344,18 +438,31 @@ def test_claim_reads_a_batch_not_the_whole_backlog(history: History) -> None:
             " SELECT 'enrich', 'B-' || g, 'globex', 2, 'manual',"
             "  now() - make_interval(secs => g), 5"
             " FROM generate_series(1, 5000) AS g",
+            generic,
         )
         tx.rollback()
     rows, _ = work(plan, lambda name: name == "queue_claim_idx")
     assert rows <= 4 * BATCH, f"the claim read {rows:.0f} queued rows to lease {BATCH}"
 
 
-def test_claim_probes_live_leases_by_key(history: History) -> None:
+@PLANS
+def test_claim_probes_live_leases_by_key(history: History, generic: bool) -> None:
     """20,000 live leases on other keys: checking the candidates' keys costs ~a probe each."""
     with history.engine.connect() as conn, conn.begin() as tx:
         conn.execute(sa.text(LEASES), {"n": 20_000})
-        plan = _claim_plan(conn)
+        plan = _claim_plan(conn, generic)
         tx.rollback()
     rows, blocks = work(plan, lambda name: name.startswith("queue_leased"))
     assert rows <= 2 * BATCH, f"the claim read {rows:.0f} leased rows to check {BATCH} keys"
     assert blocks <= 6 * BATCH, f"the claim touched {blocks} buffers to check {BATCH} keys"
+
+
+def test_the_generic_probe_plans_without_the_values(history: History) -> None:
+    """Guard for the generic-plan tests above: the plan they check is made for `$n`."""
+    _, name, params, _, _ = STATEMENTS["claim"]
+    with history.engine.connect() as conn, conn.begin():
+        generic = explain(conn, QUEUE_SQL[name].sql, params(history), generic=True)
+        custom = explain(conn, QUEUE_SQL[name].sql, params(history))
+    conditions = [n.get("Index Cond", "") for n in queue_scans(generic)]
+    assert any("$1" in c for c in conditions), conditions
+    assert not any("$1" in n.get("Index Cond", "") for n in queue_scans(custom))

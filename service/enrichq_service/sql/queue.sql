@@ -3,6 +3,9 @@
 -- state = 'leased' and a live lease, and returns only the rows that won.
 -- Batched statements lock their rows in id order first, so two batches (a worker's
 -- heartbeat and its settle, or a settle and the sweeper) can wait but never deadlock.
+-- The fence is checked there, under the lock, on the newest version of each row (READ
+-- COMMITTED re-checks a row that changed while the lock was awaited); no one else can
+-- change a locked row, so the UPDATE that follows joins on the id alone.
 
 
 -- name: queue_enqueue
@@ -52,7 +55,7 @@ LEFT JOIN inserted AS ins ON ins.kind = i.kind AND ins.key = i.key
 ORDER BY i.ord;
 
 
--- name: queue_claim_batch
+-- name: queue_claim_batch prepared
 -- Leases up to :limit visible rows of :kind to :owner and returns them. Order: the tenant's
 -- plan priority, then the tenant served least of this kind in the last day (claims count as
 -- served, so in-flight work counts), then oldest visible first. Never a key with a live lease.
@@ -144,7 +147,7 @@ counted AS (
 SELECT * FROM claimed ORDER BY id;
 
 
--- name: queue_heartbeat
+-- name: queue_heartbeat prepared
 -- Extends every listed lease :owner still holds (matching the claim's attempt) and returns
 -- the ids it extended; a listed id that is missing was lost.
 WITH clock AS (
@@ -164,11 +167,11 @@ UPDATE enrichq.queue AS q
 SET lease_expires_at = clock.now + make_interval(secs => :lease_seconds),
     heartbeat_at = clock.now
 FROM held, clock
-WHERE q.id = held.id AND q.state = 'leased' AND q.lease_expires_at > clock.now
+WHERE q.id = held.id
 RETURNING q.id;
 
 
--- name: queue_complete
+-- name: queue_complete prepared
 -- leased → done for every listed (id, attempt) :owner still holds; returns the ids that won.
 -- The caller writes the results of exactly these ids in the same transaction.
 WITH clock AS (
@@ -188,7 +191,7 @@ UPDATE enrichq.queue AS q
 SET state = 'done', finished_at = clock.now, updated_at = clock.now,
     lease_owner = NULL, lease_expires_at = NULL, heartbeat_at = NULL
 FROM held, clock
-WHERE q.id = held.id AND q.state = 'leased' AND q.lease_expires_at > clock.now
+WHERE q.id = held.id
 RETURNING q.id;
 
 
@@ -213,7 +216,7 @@ UPDATE enrichq.queue AS q
 SET state = 'failed', last_error = held.error, finished_at = clock.now,
     updated_at = clock.now, lease_owner = NULL, lease_expires_at = NULL, heartbeat_at = NULL
 FROM held, clock
-WHERE q.id = held.id AND q.state = 'leased' AND q.lease_expires_at > clock.now
+WHERE q.id = held.id
 RETURNING q.id;
 
 
@@ -253,7 +256,7 @@ SET state = CASE WHEN held.exhausted OR held.queued_id IS NOT NULL THEN 'dead_le
     last_error = held.error, updated_at = clock.now,
     lease_owner = NULL, lease_expires_at = NULL, heartbeat_at = NULL
 FROM held, clock
-WHERE q.id = held.id AND q.state = 'leased' AND q.lease_expires_at > clock.now
+WHERE q.id = held.id
 RETURNING q.id, q.state;
 
 
@@ -287,7 +290,7 @@ SET state = CASE WHEN held.queued_id IS NULL THEN 'queued' ELSE 'dead_letter' EN
     updated_at = clock.now,
     lease_owner = NULL, lease_expires_at = NULL, heartbeat_at = NULL
 FROM held, clock
-WHERE q.id = held.id AND q.state = 'leased' AND q.lease_expires_at > clock.now
+WHERE q.id = held.id
 RETURNING q.id, q.state;
 
 
