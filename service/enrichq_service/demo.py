@@ -75,7 +75,8 @@ def run_demo(  # noqa: PLR0915 -- the demo is one story, told in order
             "parity_grace_seconds": 60.0,
         }
     )
-    engine, warehouse = build_engines(demo, demo_url)
+    engines = build_engines(demo, demo_url)
+    engine = engines.queue
     with engine.begin() as conn:
         world = seed.seed_world(conn, tickets=tickets)
         ticket_rows = conn.execute(
@@ -89,7 +90,7 @@ def run_demo(  # noqa: PLR0915 -- the demo is one story, told in order
 
     set_build_info(settings.mode.value)
     register_queue_collector(engine)
-    worker = Worker(demo, engine, warehouse=warehouse)
+    worker = Worker(demo, engine, warehouse=engines.warehouse, claims=engines.claims)
     port = settings.http_port if _port_free(settings.http_port) else 0
     server = start_server_thread(create_app(demo, engine), host="127.0.0.1", port=port)
     runner = threading.Thread(target=worker.run, name="enrichq-demo-worker", daemon=True)
@@ -162,8 +163,7 @@ def run_demo(  # noqa: PLR0915 -- the demo is one story, told in order
         worker.stop.set()
         runner.join(timeout=30)
         server.stop()
-        engine.dispose()
-        warehouse.dispose()
+        engines.dispose()
     return 0
 
 

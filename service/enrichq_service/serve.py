@@ -35,10 +35,11 @@ def run_serve(settings: Settings, url: str) -> int:
     from enrichq_service.observe import register_queue_collector, set_build_info
     from enrichq_service.worker import Worker, build_engines, stop_on_signals
 
-    engine, warehouse = build_engines(settings, url)
+    engines = build_engines(settings, url)
+    engine = engines.queue
     set_build_info(settings.mode.value)
     register_queue_collector(engine)
-    worker = Worker(settings, engine, warehouse=warehouse)
+    worker = Worker(settings, engine, warehouse=engines.warehouse, claims=engines.claims)
     server = start_server_thread(
         create_app(settings, engine), host=settings.http_host, port=settings.http_port
     )
@@ -52,6 +53,5 @@ def run_serve(settings: Settings, url: str) -> int:
             result = worker.run()
     finally:
         server.stop()
-        engine.dispose()
-        warehouse.dispose()
+        engines.dispose()
     return 1 if result.stop_reason is StopReason.ERROR else 0

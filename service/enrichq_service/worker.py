@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
 from types import FrameType
+from typing import NamedTuple
 
 import sqlalchemy as sa
 import sqlalchemy.exc as sa_exc
@@ -118,6 +119,35 @@ def new_owner() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
+class ThreadConnection:
+    """A connection one thread keeps between its transactions (the claim loop's, the
+    settler's): no pool checkout, and no ping, per transaction. After any error inside a
+    transaction it is closed, so the next transaction starts on a fresh one from the pool
+    (which a server restart has then invalidated)."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self._engine = engine
+        self._conn: sa.Connection | None = None
+
+    @contextlib.contextmanager
+    def begin(self) -> Iterator[sa.Connection]:
+        """One transaction: committed when the block ends, rolled back if it raises."""
+        if self._conn is None:
+            self._conn = self._engine.connect()
+        try:
+            with self._conn.begin():
+                yield self._conn
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(sa_exc.DBAPIError):
+                conn.close()
+
+
 class Worker:
     """One worker process's runtime; `run()` blocks until it stops."""
 
@@ -127,6 +157,7 @@ class Worker:
         engine: sa.Engine,
         *,
         warehouse: sa.Engine | None = None,
+        claims: sa.Engine | None = None,
         owner: str | None = None,
         kinds: Sequence[str] = KIND_STAGES,
         enricher: enrich.Enricher | None = None,
@@ -134,6 +165,9 @@ class Worker:
         self.settings = settings
         self.engine = engine
         self.warehouse = warehouse or engine
+        self.claims = claims or engine
+        self._claim_conn = ThreadConnection(self.claims)
+        self._settle_conn = ThreadConnection(engine)
         self.owner = owner or new_owner()
         self.kinds = tuple(kinds)
         self.enricher = enricher or load_enricher(settings.enricher)
@@ -208,6 +242,7 @@ class Worker:
             result.error = _one_line(exc)
         finally:
             self._stop_claiming.set()
+            self._claim_conn.close()
             self._wind_down(pool)
             self._threads_stop.set()
             for t in threads:
@@ -233,7 +268,7 @@ class Worker:
             return False, budget
         lease = self.settings.lease_seconds
         for kind in self.kinds:
-            with self.engine.begin() as conn:
+            with self._claim_conn.begin() as conn:
                 jobs = q.claim(conn, kind=kind, owner=self.owner, limit=free, lease_seconds=lease)
                 if not jobs:
                     continue
@@ -403,6 +438,7 @@ class Worker:
             except sa_exc.DBAPIError as exc:
                 log.warning("settle failed (%s); retrying", _one_line(exc))
                 time.sleep(backoff.next())
+        self._settle_conn.close()
         self._settler_done.set()
 
     def _flush(self, group: Sequence[Settlement]) -> None:
@@ -411,7 +447,7 @@ class Worker:
         for s in group:
             by_action[s.action].append(s)
         outcomes: dict[int, Outcome] = {}
-        with self.engine.begin() as conn:
+        with self._settle_conn.begin() as conn:
             done = by_action[Action.COMPLETE]
             won = q.complete(conn, owner=self.owner, jobs=[s.held.job for s in done])
             write_results(
@@ -608,29 +644,58 @@ def stop_on_signals(stop: threading.Event) -> Iterator[None]:
             signal.signal(s, h)
 
 
-def build_engines(settings: Settings, url: str) -> tuple[sa.Engine, sa.Engine]:
-    """The queue engine and the warehouse engine.
+class WorkerEngines(NamedTuple):
+    """The connection pools of one worker process."""
+
+    queue: sa.Engine  # settles, heartbeats, run log, HTTP (serve), metrics
+    claims: sa.Engine  # the claim loop only
+    warehouse: sa.Engine  # lookups
+
+    def dispose(self) -> None:
+        for engine in {id(e): e for e in self}.values():
+            engine.dispose()
+
+
+def build_engines(settings: Settings, url: str) -> WorkerEngines:
+    """The queue, claim and warehouse engines of a worker.
 
     The warehouse always gets a pool of its own, sized to the concurrency, even when it is
     the same database: slow lookups must never hold the connections that claims,
     heartbeats and settles need, or a slow warehouse would let leases expire.
+
+    The claim loop gets one connection of its own, tuned for its two statements (the claim
+    and the ticket read, whose generic plans tests/db/test_queue_plans.py checks): the
+    prepared claim keeps its generic plan instead of being planned again on every call
+    (planning cost about as much as running it), and no ping precedes each checkout, since
+    a failed claim is simply retried.
     """
     # A worker frozen mid-transaction (SIGSTOP, a VM pause) would hold the row locks of its
     # claim or settle, and the sweeper would wait on them: the server ends such a session
     # after one lease, the time after which its work is someone else's anyway.
-    engine = create_engine(
+    frozen_after = settings.lease_seconds
+    queue = create_engine(
         url,
         application_name="enrichq-worker",
         pool_size=4,
         statement_timeout_seconds=settings.statement_timeout_seconds,
-        idle_in_transaction_timeout_seconds=settings.lease_seconds,
+        idle_in_transaction_timeout_seconds=frozen_after,
+    )
+    claims = create_engine(
+        url,
+        application_name="enrichq-worker-claims",
+        pool_size=1,
+        statement_timeout_seconds=settings.statement_timeout_seconds,
+        idle_in_transaction_timeout_seconds=frozen_after,
+        pre_ping=False,
+        generic_plans=True,
+        asynchronous_commit=True,
     )
     warehouse = create_engine(
         settings.warehouse_url or url,
         application_name="enrichq-warehouse",
         pool_size=settings.concurrency,
     )
-    return engine, warehouse
+    return WorkerEngines(queue, claims, warehouse)
 
 
 def run_worker(
@@ -643,16 +708,15 @@ def run_worker(
         start_metrics_server,
     )
 
-    engine, warehouse = build_engines(settings, url)
-    worker = Worker(settings, engine, warehouse=warehouse)
+    engines = build_engines(settings, url)
+    worker = Worker(settings, engines.queue, warehouse=engines.warehouse, claims=engines.claims)
     set_build_info(settings.mode.value)
-    register_queue_collector(engine)
+    register_queue_collector(engines.queue)
     start_metrics_server(settings.metrics_port)
     try:
         with stop_on_signals(worker.stop):
             result = worker.run(drain=drain, time_budget=time_budget)
     finally:
-        engine.dispose()
-        warehouse.dispose()
+        engines.dispose()
     log.info("worker stopped: %s %s", result.stop_reason.value, dict(result.counts))
     return 1 if result.stop_reason is StopReason.ERROR else 0

@@ -38,6 +38,7 @@ from enrichq_schema.db import create_engine
 from enrichq_service import queue
 from enrichq_service.queue import EnqueueRequest
 from enrichq_service.settings import Settings
+from enrichq_service.worker import ThreadConnection, build_engines
 from tests.bench.common import (
     console,
     libpq_url,
@@ -135,17 +136,21 @@ def enrichq_worker(*, url: str, owner: str, batch: int, start: Any, out: Any) ->
     """Claim and complete no-op jobs through enrichq's API until a claim comes back empty."""
 
     def body() -> tuple[int, float, float, float, float, int, int]:
-        engine = create_engine(url, pool_size=1, application_name=f"bench-{owner}")
+        # as the worker does: claims on a connection of the claim engine, completes on one
+        # of the queue engine, each kept between transactions
+        engines = build_engines(Settings.load(database_url=url), url)
+        claiming, settling = ThreadConnection(engines.claims), ThreadConnection(engines.queue)
         try:
-            with engine.connect() as conn:
-                conn.execute(sa.text("SELECT 1"))
+            for warm in (claiming, settling):
+                with warm.begin() as conn:
+                    conn.execute(sa.text("SELECT 1"))
             start.wait()
             jobs_done = claims = completes = 0
             claim_s = complete_s = 0.0
             began = time.perf_counter()
             while True:
                 t = time.perf_counter()
-                with engine.begin() as conn:
+                with claiming.begin() as conn:
                     jobs = queue.claim(
                         conn, kind="enrich", owner=owner, limit=batch, lease_seconds=LEASE_SECONDS
                     )
@@ -154,13 +159,15 @@ def enrichq_worker(*, url: str, owner: str, batch: int, start: Any, out: Any) ->
                 if not jobs:
                     break
                 t = time.perf_counter()
-                with engine.begin() as conn:
+                with settling.begin() as conn:
                     jobs_done += len(queue.complete(conn, owner=owner, jobs=jobs))
                 complete_s += time.perf_counter() - t
                 completes += 1
             return jobs_done, began, time.perf_counter(), claim_s, complete_s, claims, completes
         finally:
-            engine.dispose()
+            claiming.close()
+            settling.close()
+            engines.dispose()
 
     _report(out, body)
 
