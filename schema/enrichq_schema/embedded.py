@@ -132,11 +132,15 @@ class EmbeddedPostgres:
             atexit.register(self._stop_at_exit)
             return self._url
 
-    def stop(self) -> None:
-        """Shut the server down (fast shutdown) and wait until it has exited."""
+    def stop(self, *, crash: bool = False) -> None:
+        """Shut the server down (fast shutdown) and wait until it has exited.
+
+        `crash=True` stops it as a crash would (immediate shutdown: no checkpoint, WAL not
+        yet written is lost, the next start recovers), for fault-injection tests.
+        """
         with self._lock:
             atexit.unregister(self._stop_at_exit)
-            self._terminate()
+            self._terminate(crash=crash)
             self._remove_temp_socket_dir()
             self._forget()
 
@@ -376,17 +380,19 @@ class EmbeddedPostgres:
 
     # -- shutdown ---------------------------------------------------------------------------
 
-    def _terminate(self) -> None:
+    def _terminate(self, *, crash: bool = False) -> None:
         proc = self._proc
         if proc is None or proc.poll() is not None:
             return
         # SIGINT is postgres's "fast" shutdown: roll back sessions, checkpoint, exit.
-        # SIGQUIT ("immediate") and SIGKILL are only for a server that will not go.
-        for sig, wait in (
+        # SIGQUIT ("immediate") and SIGKILL are only for a server that will not go, or for
+        # a crash on purpose.
+        steps = [
             (signal.SIGINT, _FAST_STOP_TIMEOUT),
             (signal.SIGQUIT, _KILL_TIMEOUT),
             (signal.SIGKILL, _KILL_TIMEOUT),
-        ):
+        ]
+        for sig, wait in steps[1:] if crash else steps:
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(sig)
             try:

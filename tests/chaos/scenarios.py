@@ -386,7 +386,9 @@ def poison(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outcome
 
 
 def db_restart(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outcome:
-    """PostgreSQL restarted mid-run (a server of the scenario's own; `db_url` is unused)."""
+    """PostgreSQL restarted mid-run (a server of the scenario's own; `db_url` is unused):
+    first a fast shutdown, then a crash (immediate shutdown), which loses the claims whose
+    asynchronous commit had not reached the disk yet."""
     import shutil
     import tempfile
 
@@ -396,7 +398,7 @@ def db_restart(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Out
     base = Path(tempfile.mkdtemp(prefix="enrichq-chaos-pg-", dir="/tmp"))
     base.chmod(0o711)
     server = EmbeddedPostgres(base, port=5434)
-    out = Outcome("PostgreSQL restarted mid-run", tickets)
+    out = Outcome("PostgreSQL restarted, then crashed, mid-run", tickets)
     try:
         url = ensure_database(server.start(), "enrichq")
         migrate(url)
@@ -407,14 +409,14 @@ def db_restart(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Out
             with fleet(url, logs) as f:
                 f.start_sweeper()
                 done = "SELECT count(*) FROM enrichq.queue WHERE state = 'done'"
-                for fraction in (0.2, 0.6):
+                for fraction, crash in ((0.2, False), (0.6, True)):
                     target = tickets * fraction
                     wait_for(
                         lambda t=target: q(engine, done)[0][0] >= t,  # type: ignore[misc]
                         timeout=240,
                         what=f"{fraction:.0%} done",
                     )
-                    server.stop()
+                    server.stop(crash=crash)
                     time.sleep(rng.uniform(0.5, 2.0))
                     server.start()
                     out.faults += 1
