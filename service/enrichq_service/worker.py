@@ -18,6 +18,7 @@ fencing makes a late settle harmless.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import queue as stdqueue
@@ -672,20 +673,16 @@ def build_engines(settings: Settings, url: str) -> WorkerEngines:
     # A worker frozen mid-transaction (SIGSTOP, a VM pause) would hold the row locks of its
     # claim or settle, and the sweeper would wait on them: the server ends such a session
     # after one lease, the time after which its work is someone else's anyway.
-    frozen_after = settings.lease_seconds
-    queue = create_engine(
+    session = functools.partial(
+        create_engine,
         url,
-        application_name="enrichq-worker",
-        pool_size=4,
         statement_timeout_seconds=settings.statement_timeout_seconds,
-        idle_in_transaction_timeout_seconds=frozen_after,
+        idle_in_transaction_timeout_seconds=settings.lease_seconds,
     )
-    claims = create_engine(
-        url,
+    queue = session(application_name="enrichq-worker", pool_size=4)
+    claims = session(
         application_name="enrichq-worker-claims",
         pool_size=1,
-        statement_timeout_seconds=settings.statement_timeout_seconds,
-        idle_in_transaction_timeout_seconds=frozen_after,
         pre_ping=False,
         generic_plans=True,
         asynchronous_commit=True,
