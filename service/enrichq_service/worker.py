@@ -667,8 +667,10 @@ def build_engines(settings: Settings, url: str) -> WorkerEngines:
     The claim loop gets one connection of its own, tuned for its two statements (the claim
     and the ticket read, whose generic plans tests/db/test_queue_plans.py checks): the
     prepared claim keeps its generic plan instead of being planned again on every call
-    (planning cost about as much as running it), and no ping precedes each checkout, since
-    a failed claim is simply retried.
+    (planning cost about as much as running it), claims commit asynchronously (one that a
+    server crash undoes only returns its rows to the queue, and the fence refuses whatever
+    this worker then settles for them), and no ping precedes each checkout, since a failed
+    claim is simply retried.
     """
     # A worker frozen mid-transaction (SIGSTOP, a VM pause) would hold the row locks of its
     # claim or settle, and the sweeper would wait on them: the server ends such a session
