@@ -51,54 +51,49 @@ open_keys AS (
 -- one streaming pass over the day's tickets, per tenant: the tickets left out and why, the
 -- exact matches and their orders, and the ids of the (few) tickets whose order sets differ
 summary AS MATERIALIZED (
-    SELECT tenant,
-           count(*) FILTER (WHERE excluded = 'too_young') AS too_young,
-           count(*) FILTER (WHERE excluded = 'open_queue_rows') AS open_queue_rows,
-           count(*) FILTER (WHERE same) AS exact,
-           coalesce(sum(shadow_orders) FILTER (WHERE same), 0) AS exact_orders,
-           array_agg(ticket_id) FILTER (WHERE NOT same) AS differing_ids,
-           array_agg(created_at) FILTER (WHERE NOT same) AS differing_created_at
+    SELECT d.tenant,
+           count(*) FILTER (WHERE d.excluded = 'too_young') AS too_young,
+           count(*) FILTER (WHERE d.excluded = 'open_queue_rows') AS open_queue_rows,
+           count(*) FILTER (WHERE c.same) AS exact,
+           coalesce(sum(c.shadow_orders) FILTER (WHERE c.same), 0) AS exact_orders,
+           array_agg(d.ticket_id) FILTER (WHERE NOT c.same) AS differing_ids,
+           array_agg(d.created_at) FILTER (WHERE NOT c.same) AS differing_created_at
     FROM (
-        -- equal sorted, distinct arrays are equal sets (same is NULL for excluded tickets)
-        SELECT a.ticket_id,
-               a.tenant,
-               a.created_at,
-               a.excluded,
-               CASE WHEN a.excluded IS NULL THEN a.legacy_ids = a.shadow_ids END AS same,
-               cardinality(a.shadow_ids) AS shadow_orders
+        -- the day's tickets, each with the reason it is left out (NULL: compared)
+        SELECT CAST(t.id AS text) AS ticket_id,
+               coalesce(CAST(t.tenant AS text), '') AS tenant,
+               t.created_at,
+               CASE
+                   WHEN t.created_at > CAST(:young_after AS timestamptz) THEN 'too_young'
+                   WHEN o.key IS NOT NULL THEN 'open_queue_rows'
+               END AS excluded
+        FROM {tickets} AS t
+        LEFT JOIN open_keys AS o ON o.key = CAST(t.id AS text)
+        WHERE t.created_at >= CAST(:day_start AS timestamptz)
+          AND t.created_at < CAST(:day_end AS timestamptz)
+    ) AS d
+    -- each compared ticket's two order sets, two index probes, reduced at once to whether
+    -- they are equal (so only a boolean and a count reach the grouping, which hashes 20-odd
+    -- tenants instead of sorting the day). Equal sorted arrays are equal sets; a legacy
+    -- order written twice makes them differ here, and the differing tickets below compare
+    -- as sets and count such a ticket exact after all. OFFSET 0 builds each array once.
+    LEFT JOIN LATERAL (
+        SELECT x.legacy_ids = x.shadow_ids AS same, cardinality(x.shadow_ids) AS shadow_orders
         FROM (
-            -- each compared ticket's two order sets: two index probes, nothing read outside
-            -- the day (the legacy flow may have written an order twice: DISTINCT)
-            SELECT d.*,
-                   CASE WHEN d.excluded IS NULL THEN ARRAY(
-                       SELECT DISTINCT l.order_id FROM {legacy} AS l
+            SELECT ARRAY(
+                       SELECT l.order_id FROM {legacy} AS l
                        WHERE l.ticket_id = d.ticket_id AND l.order_id IS NOT NULL
                        ORDER BY l.order_id
-                   ) END AS legacy_ids,
-                   CASE WHEN d.excluded IS NULL THEN ARRAY(
+                   ) AS legacy_ids,
+                   ARRAY(
                        SELECT s.order_id FROM enrichq.ticket_orders AS s
                        WHERE s.ticket_id = d.ticket_id
                        ORDER BY s.order_id
-                   ) END AS shadow_ids
-            FROM (
-                -- the day's tickets, each with the reason it is left out (NULL: compared)
-                SELECT CAST(t.id AS text) AS ticket_id,
-                       coalesce(CAST(t.tenant AS text), '') AS tenant,
-                       t.created_at,
-                       CASE
-                           WHEN t.created_at > CAST(:young_after AS timestamptz) THEN 'too_young'
-                           WHEN o.key IS NOT NULL THEN 'open_queue_rows'
-                       END AS excluded
-                FROM {tickets} AS t
-                LEFT JOIN open_keys AS o ON o.key = CAST(t.id AS text)
-                WHERE t.created_at >= CAST(:day_start AS timestamptz)
-                  AND t.created_at < CAST(:day_end AS timestamptz)
-            ) AS d
-            -- a fence: each array is built once, not once per reference above
+                   ) AS shadow_ids
             OFFSET 0
-        ) AS a
-    ) AS b
-    GROUP BY tenant
+        ) AS x
+    ) AS c ON d.excluded IS NULL
+    GROUP BY d.tenant
 ),
 -- the differing tickets: the orders on one side only, when legacy looked the ticket up,
 -- and when (whether) enrichq enriched it
