@@ -14,7 +14,8 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
@@ -128,6 +129,7 @@ def run_parity(
             since=since,
             until=until,
             young_after=young_after,
+            concurrency=settings.parity_concurrency,
             progress=progress,
         )
         whole = total(d.tally for d in days)
@@ -242,21 +244,26 @@ def _compare(
     since: datetime,
     until: datetime,
     young_after: datetime,
+    concurrency: int,
     progress: ProgressCallback | None,
 ) -> tuple[list[DayResult], dict[str, Tally], dict[TicketClass, list[Mismatch]]]:
-    """Run the day query over each day; aggregate per day, per tenant, and the samples."""
+    """Run the day query over each day; aggregate per day, per tenant, and the samples.
+
+    Up to `concurrency` days are compared at once, each in its own short transaction on its
+    own connection; their rows are added up in day order, so the report does not depend on
+    which day finished first.
+    """
     q = _queries()
     statement = names.render(q["parity_day"], **relations)
     windows = list(day_windows(since, until))
-    days: list[DayResult] = []
-    tenants: dict[str, Tally] = {}
-    samples: dict[TicketClass, list[Mismatch]] = {}
-    for index, (day, start, end) in enumerate(windows):
+
+    def read_day(window: tuple[date, datetime, datetime]) -> Sequence[Any]:
+        _, start, end = window
         # One short read-only transaction per day: the snapshot lives for one statement.
         with read_engine.begin() as conn:
             conn.execute(q("parity_read_only"))
             conn.execute(q("parity_day_settings"))
-            rows = conn.execute(
+            return conn.execute(
                 statement,
                 {
                     "day_start": start,
@@ -265,30 +272,42 @@ def _compare(
                     "sample_size": SAMPLE_LIMIT,
                 },
             ).all()
-        day_tally = Tally()
-        for row in rows:
-            if row.row_kind == "sample":
-                kept = samples.setdefault(TicketClass(row.ticket_class), [])
-                if len(kept) < SAMPLE_LIMIT:
-                    kept.append(_mismatch(row))
-                continue
-            tally = tally_of(
-                row.row_kind,
-                row.ticket_class,
-                row.tickets,
-                (
-                    row.legacy_orders,
-                    row.matched_orders,
-                    row.missing_orders,
-                    row.extra_orders,
-                    row.drift_orders,
-                ),
-            )
-            day_tally += tally
-            tenants[row.tenant] = tenants.get(row.tenant, Tally()) + tally
-        days.append(DayResult(day, start, end, day_tally))
-        if progress is not None:
-            progress(index + 1, len(windows))
+
+    days: list[DayResult] = []
+    tenants: dict[str, Tally] = {}
+    samples: dict[TicketClass, list[Mismatch]] = {}
+    pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="parity-day")
+    try:
+        for index, ((day, start, end), rows) in enumerate(
+            zip(windows, pool.map(read_day, windows), strict=True)
+        ):
+            day_tally = Tally()
+            for row in rows:
+                if row.row_kind == "sample":
+                    kept = samples.setdefault(TicketClass(row.ticket_class), [])
+                    if len(kept) < SAMPLE_LIMIT:
+                        kept.append(_mismatch(row))
+                    continue
+                tally = tally_of(
+                    row.row_kind,
+                    row.ticket_class,
+                    row.tickets,
+                    (
+                        row.legacy_orders,
+                        row.matched_orders,
+                        row.missing_orders,
+                        row.extra_orders,
+                        row.drift_orders,
+                    ),
+                )
+                day_tally += tally
+                tenants[row.tenant] = tenants.get(row.tenant, Tally()) + tally
+            days.append(DayResult(day, start, end, day_tally))
+            if progress is not None:
+                progress(index + 1, len(windows))
+    finally:
+        # a failed day (or Ctrl-C) ends the run: the days not started yet are not compared
+        pool.shutdown(wait=True, cancel_futures=True)
     return days, tenants, samples
 
 
@@ -399,7 +418,7 @@ def _engines(settings: Settings, url: str) -> tuple[sa.Engine, sa.Engine]:
     read = create_engine(
         settings.parity_database_url or url,
         application_name="enrichq-parity",
-        pool_size=1,
+        pool_size=settings.parity_concurrency,
         statement_timeout_seconds=settings.statement_timeout_seconds,
     )
     write = create_engine(

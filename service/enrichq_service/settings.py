@@ -163,6 +163,9 @@ class Settings(BaseSettings):
     parity_max_age_hours: float = Field(
         default=PARITY_MAX_AGE_HOURS_DEFAULT, gt=0, description="Cutover needs a younger run."
     )
+    parity_concurrency: int = Field(
+        default=2, ge=1, le=16, description="Days parity compares at once, a connection each."
+    )
     statement_timeout_seconds: float = Field(
         default=30, gt=0, description="Limit on every statement of the sweeper and parity."
     )

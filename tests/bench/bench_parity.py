@@ -136,11 +136,16 @@ class Measure:
 def backend_cpu(conn: sa.Connection) -> tuple[int, float | None]:
     """(pid, CPU seconds used so far) of this connection's server process, None if remote."""
     pid = int(conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one())
+    return pid, process_cpu(pid)
+
+
+def process_cpu(pid: int) -> float | None:
+    """CPU seconds a local process has used so far; None if it is not on this machine."""
     stat = Path(f"/proc/{pid}/stat")
     if not stat.exists():
-        return pid, None
+        return None
     fields = stat.read_text().rsplit(")", 1)[1].split()
-    return pid, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def seed(url: str, tickets: int, end: datetime) -> tuple[int, int, float]:
@@ -191,12 +196,16 @@ def parity_child(url: str, since: str, until: str) -> None:
     from enrichq_service.settings import Settings
 
     settings = Settings.load(database_url=url, statement_timeout_seconds=600)
-    # One pooled connection reads every day, so its server process's CPU is parity's.
-    read = create_engine(url, pool_size=1)
+    # The read pool's connections are opened first, so their server processes' CPU is
+    # parity's (a connection opened during the run would count from zero).
+    read = create_engine(url, pool_size=settings.parity_concurrency)
     write = create_engine(url, pool_size=1)
-    with read.connect() as conn:
-        pid, cpu_before = backend_cpu(conn)
-        conn.rollback()
+    opened = [read.connect() for _ in range(settings.parity_concurrency)]
+    pids = {backend_cpu(conn)[0] for conn in opened}
+    for conn in opened:
+        conn.close()
+    sa.event.listen(read, "connect", lambda dbapi, _: pids.add(dbapi.info.backend_pid))
+    cpu_before = {pid: process_cpu(pid) for pid in pids}
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started = time.perf_counter()
     report = run_parity(
@@ -207,14 +216,16 @@ def parity_child(url: str, since: str, until: str) -> None:
         until=datetime.fromisoformat(until),
     )
     seconds = time.perf_counter() - started
-    with read.connect() as conn:
-        same_pid, cpu_after = backend_cpu(conn)
-        conn.rollback()
+    cpu_after = {pid: process_cpu(pid) for pid in pids}
     read.dispose()
     write.dispose()
-    cpu = None
-    if cpu_before is not None and cpu_after is not None and same_pid == pid:
-        cpu = cpu_after - cpu_before
+    cpu: float | None = 0.0
+    for pid, after in cpu_after.items():
+        before = cpu_before.get(pid, 0.0)
+        if after is None or before is None or cpu is None:
+            cpu = None
+        else:
+            cpu += after - before
     print(
         json.dumps(
             {
@@ -314,8 +325,9 @@ def main() -> None:
         note=(
             "join: best of 3 bare FULL OUTER JOIN counts of the legacy and shadow order tables;"
             " parity: the better of 2 runs (each a fresh process) over every ticket, one"
-            " read-only transaction per day. s = wall seconds, cpu = server-process CPU"
-            " seconds (unaffected by other load; blank for a remote server). Targets: ratio"
+            " read-only transaction per day, ENRICHQ_PARITY_CONCURRENCY (default 2) days at once."
+            " s = wall seconds, cpu = server-process CPU seconds summed over parity's"
+            " connections (unaffected by other load; blank for a remote server). Targets: ratio"
             " <= 3; RSS (the parity process's peak; RSS0 before the run) flat across sizes."
         ),
     )

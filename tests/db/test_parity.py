@@ -271,6 +271,27 @@ def test_per_day_and_per_tenant(every_class: tuple[sa.Engine, Settings]) -> None
     assert tenants["acme"].compared == 7
 
 
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_days_compared_at_once_give_the_same_report(
+    every_class: tuple[sa.Engine, Settings], concurrency: int
+) -> None:
+    """Days run on several connections at once, but are added up in day order: the report
+    (days, tenants, samples) and the progress calls do not depend on which day finished
+    first. The default (2) is what every other test here runs with."""
+    engine, settings = every_class
+    reference = run(engine, settings)
+    progress: list[tuple[int, int]] = []
+    other = run(
+        engine, settings.model_copy(update={"parity_concurrency": concurrency}), progress=progress
+    )
+    assert progress == [(i, 10) for i in range(1, 11)]
+    assert other.days == reference.days
+    assert other.tenants == reference.tenants
+    assert other.sample == reference.sample
+    assert other.drift_sample == reference.drift_sample
+    assert other.total == reference.total
+
+
 def test_sample_shows_each_mismatch_with_its_diff(every_class: tuple[sa.Engine, Settings]) -> None:
     engine, settings = every_class
     report = run(engine, settings)

@@ -66,6 +66,7 @@ def test_toml_file_is_read_and_environment_wins(
         ({"ENRICHQ_DELAY_CREATED_SECONDS": "-1"}, "ENRICHQ_DELAY_CREATED_SECONDS"),
         ({"ENRICHQ_MODE": "yolo"}, "ENRICHQ_MODE"),
         ({"ENRICHQ_CONCURRENCY": "many"}, "ENRICHQ_CONCURRENCY"),
+        ({"ENRICHQ_PARITY_CONCURRENCY": "0"}, "ENRICHQ_PARITY_CONCURRENCY"),
         ({"ENRICHQ_ENRICHER": "no_colon"}, "ENRICHQ_ENRICHER"),
         ({"ENRICHQ_TICKETS_TABLE": "x; drop table y"}, "ENRICHQ_TICKETS_TABLE"),
         ({"ENRICHQ_DATABASE_URL": "::nonsense::"}, "ENRICHQ_DATABASE_URL"),
