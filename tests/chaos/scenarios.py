@@ -399,6 +399,7 @@ def db_restart(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Out
     base.chmod(0o711)
     server = EmbeddedPostgres(base, port=5434)
     out = Outcome("PostgreSQL restarted, then crashed, mid-run", tickets)
+    out.notes = "the second stop is a crash (immediate shutdown): unflushed claims are lost"
     try:
         url = ensure_database(server.start(), "enrichq")
         migrate(url)
