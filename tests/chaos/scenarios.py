@@ -292,7 +292,9 @@ def freeze(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outcome
             drained(engine, None)
             out.recover_seconds.append(time.monotonic() - frozen_at)
             os.kill(victim.pid, signal.SIGCONT)
-            time.sleep(FAST["lease_seconds"])  # let the resumed worker try its late settles
+            # A graceful stop flushes the resumed worker's settles: when it has exited, every
+            # late write it would make has been tried (and must have been refused).
+            stop(victim)
             drained(engine, f)
         out.seconds = time.monotonic() - start
         return check(engine, out)

@@ -4,13 +4,13 @@ write, and an enqueue of the key the sweeper is about to put back in the queue."
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
+from tests.support.procs import wait_for
 
 from enrichq_schema.tables import queue
 from enrichq_sweeper import recovery
@@ -50,17 +50,22 @@ def get(engine: sa.Engine, row_id: int) -> sa.Row[tuple[object, ...]]:
 
 def wait_until_blocked(engine: sa.Engine, job: Future[recovery.BatchOutcome]) -> None:
     """Wait until some session of this database waits for a lock (the sweeper's batch)."""
-    deadline = time.monotonic() + DEADLINE_SECONDS
-    while True:
+
+    def blocked() -> bool:
         with engine.connect() as conn:
             if conn.execute(WAITING).scalar_one():
-                return
+                return True
         if job.done():
             job.result()
             pytest.fail("the sweeper's batch finished without waiting for the other transaction")
-        if time.monotonic() > deadline:
-            pytest.fail("the sweeper's batch never waited for the other transaction")
-        time.sleep(0.02)
+        return False
+
+    wait_for(
+        blocked,
+        timeout=DEADLINE_SECONDS,
+        interval=0.02,
+        what="the sweeper's batch to wait for the other transaction",
+    )
 
 
 def sweep_in_thread(engine: sa.Engine) -> tuple[ThreadPoolExecutor, Future[recovery.BatchOutcome]]:
