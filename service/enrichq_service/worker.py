@@ -653,7 +653,7 @@ class WorkerEngines(NamedTuple):
     warehouse: sa.Engine  # lookups
 
     def dispose(self) -> None:
-        for engine in {id(e): e for e in self}.values():
+        for engine in self:
             engine.dispose()
 
 
