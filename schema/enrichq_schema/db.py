@@ -187,28 +187,23 @@ def head_revision() -> str | None:
 
 
 def rerun_lost_races(conn: sa.Connection, statement: Callable[[], T]) -> T:
-    """Run `statement` in a savepoint; run it again when it lost a race to another transaction.
+    """Run `statement` in a savepoint; run it again when it lost the queued-key race.
 
-    Two races are expected and short. A statement that puts a row back in the queue sees
-    the key's queued row when it was committed before the statement's snapshot; one
-    committed after shows up as a violation of the queued-key index instead. And a batch
-    that decides on its snapshot raises RaceLost when a row it meant to write changed in
-    the meantime. A new statement has a snapshot that sees the other transaction's work.
+    A statement that puts a row back in the queue (a retry, a defer, a promotion, a
+    redrive) sees the key's queued row when that row was committed before the statement's
+    snapshot; one committed after shows up as a violation of the queued-key index instead.
+    A new statement has a snapshot that sees it, and supersedes instead.
     """
     import sqlalchemy.exc as sa_exc
 
-    from enrichq_schema.errors import RaceLost, constraint_name
+    from enrichq_schema.errors import constraint_name
     from enrichq_schema.tables import QUEUED_KEY_INDEX
 
     for attempt in range(RACE_RERUNS):
-        last = attempt == RACE_RERUNS - 1
         try:
             with conn.begin_nested():
                 return statement()
         except sa_exc.IntegrityError as exc:
-            if constraint_name(exc) != QUEUED_KEY_INDEX or last:
-                raise
-        except RaceLost:
-            if last:
+            if constraint_name(exc) != QUEUED_KEY_INDEX or attempt == RACE_RERUNS - 1:
                 raise
     raise AssertionError("unreachable")  # pragma: no cover

@@ -10,10 +10,6 @@ class EnrichqError(Exception):
         super().__init__(message or (self.__doc__ or "").strip())
 
 
-class RaceLost(EnrichqError):
-    """A row changed under a batch statement after its snapshot; the statement runs again."""
-
-
 def constraint_name(exc: BaseException) -> str | None:
     """The name of the constraint a driver error violated, if any (never parsed from text)."""
     orig = getattr(exc, "orig", exc)

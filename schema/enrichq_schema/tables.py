@@ -49,12 +49,18 @@ def _created_at() -> sa.Column[object]:
 
 # The partial unique index that makes a second enqueue of a queued (kind, key) a merge.
 QUEUED_KEY_INDEX = "queue_queued_key_uq"
+# The partial unique index that allows one lease per ticket, whatever the kind: a claim that
+# would lease a second row of a key fails on it instead (see queue_claim_batch).
+LEASED_KEY_INDEX = "queue_leased_key_uq"
 
 # Text of the partial-index predicates. Queries must imply them, so they are written once.
 QUEUED = "state = 'queued'"
 LEASED = "state = 'leased'"
-TERMINAL = "state IN ('done', 'failed', 'dead_letter')"
+FINISHED = "state IN ('done', 'failed')"
 DEAD = "state = 'dead_letter'"
+# Rows that say the queue gave up on their ticket (refresh leaves such a ticket alone until
+# it is redriven); a superseded row did not give up, a newer row took its work over.
+GIVEN_UP = "state = 'failed' OR (state = 'dead_letter' AND dead_reason <> 'superseded')"
 
 queue = sa.Table(
     "queue",
@@ -76,6 +82,9 @@ queue = sa.Table(
     sa.Column("last_error", sa.Text),
     sa.Column("dead_reason", sa.Text),
     sa.Column("superseded_by", sa.BigInteger),
+    # New at every claim, for the row's whole life: what fences the claim's later writes
+    # (an attempt number repeats after a defer, a redrive or a claim a crash undid).
+    sa.Column("claim_token", pg.UUID(as_uuid=True)),
     _created_at(),
     sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
     sa.Column("finished_at", sa.DateTime(timezone=True)),
@@ -111,16 +120,32 @@ queue = sa.Table(
         "visible_at",
         postgresql_where=sa.text(QUEUED),
     ),
-    # One worker per ticket, whatever the kind: the claim skips keys with a live lease.
-    sa.Index("queue_leased_key_idx", "key", postgresql_where=sa.text(LEASED)),
+    # One lease per ticket, whatever the kind: the claim skips keys that have one, and this
+    # index refuses a claim whose snapshot could not see a lease committed meanwhile.
+    sa.Index(LEASED_KEY_INDEX, "key", unique=True, postgresql_where=sa.text(LEASED)),
     # No index by lease owner: the heartbeat and the settles find their rows by id, and
     # every index over leased rows is one more write per claimed row (migration 0002).
     # Sweeper: expired leases.
     sa.Index("queue_leased_expiry_idx", "lease_expires_at", postgresql_where=sa.text(LEASED)),
-    # Retention: terminal rows by age.
-    sa.Index("queue_terminal_finished_idx", "finished_at", postgresql_where=sa.text(TERMINAL)),
+    # Retention and the sweeper's terminal counts: done/failed rows by age, dead letters by
+    # age, each its own index so that pruning one never walks the other, and each carrying
+    # what the counts group by, so counting them is an index-only scan.
+    sa.Index(
+        "queue_finished_idx",
+        "finished_at",
+        postgresql_include=["kind", "state"],
+        postgresql_where=sa.text(FINISHED),
+    ),
+    sa.Index(
+        "queue_dead_finished_idx",
+        "finished_at",
+        postgresql_include=["kind", "dead_reason"],
+        postgresql_where=sa.text(DEAD),
+    ),
     # Dead-letter listing and redrive by reason.
     sa.Index("queue_dead_reason_idx", "dead_reason", "id", postgresql_where=sa.text(DEAD)),
+    # Refresh: has the queue given up on this ticket since its last enrichment?
+    sa.Index("queue_given_up_key_idx", "key", "id", postgresql_where=sa.text(GIVEN_UP)),
     # The queue table churns: vacuum it early and often so dead tuples never pile up.
     postgresql_with={
         "autovacuum_vacuum_scale_factor": "0.01",
@@ -151,6 +176,21 @@ tenant_served = sa.Table(
     sa.Column("tenant", sa.Text, primary_key=True),
     sa.Column("bucket", sa.DateTime(timezone=True), primary_key=True),
     sa.Column("served", sa.BigInteger, nullable=False),
+    # Retention drops old buckets of every tenant without reading the others.
+    sa.Index("tenant_served_bucket_idx", "bucket"),
+)
+
+# Terminal rows by kind, state and dead reason ('' when none), counted by the sweeper leader
+# once a pass: what every process's /metrics reads, so a scrape costs the same whatever the
+# size of the history (open rows are counted live, through their partial indexes).
+queue_counts = sa.Table(
+    "queue_counts",
+    metadata,
+    sa.Column("kind", sa.Text, primary_key=True),
+    sa.Column("state", sa.Text, primary_key=True),
+    sa.Column("dead_reason", sa.Text, primary_key=True),
+    sa.Column("rows", sa.BigInteger, nullable=False),
+    sa.Column("counted_at", sa.DateTime(timezone=True), nullable=False),
 )
 
 ticket_orders = sa.Table(
@@ -196,6 +236,8 @@ lookup_log = sa.Table(
     sa.CheckConstraint(_one_of("status", LOOKUP_STATUSES), name="status_known"),
     sa.CheckConstraint("bytes_billed >= 0", name="bytes_billed_non_negative"),
     sa.Index("lookup_log_ticket_id_idx", "ticket_id"),
+    # Retention deletes the oldest rows first, a page at a time.
+    sa.Index("lookup_log_created_at_idx", "created_at"),
 )
 
 budget_ledger = sa.Table(
@@ -225,6 +267,12 @@ runs = sa.Table(
     ),
     sa.CheckConstraint("(finished_at IS NULL) = (stop_reason IS NULL)", name="finished_iff_reason"),
     sa.Index("runs_component_started_at_idx", "component", "started_at"),
+    # Retention deletes the oldest finished runs first, a page at a time.
+    sa.Index(
+        "runs_finished_started_at_idx",
+        "started_at",
+        postgresql_where=sa.text("finished_at IS NOT NULL"),
+    ),
 )
 
 parity_runs = sa.Table(

@@ -164,15 +164,28 @@ def write_results(
     conn: sa.Connection,
     results: Mapping[int, tuple[str, Enrichment]],
     *,
-    looked_up_at: datetime,
+    looked_up_at: datetime | None = None,
 ) -> None:
-    """Replace the rows of each ticket with its new orders (queue id → (ticket, result))."""
+    """Replace the rows of each ticket with its new orders (queue id → (ticket, result)).
+
+    `looked_up_at` None is the database clock. Writes of one ticket by concurrent
+    transactions are serialized on its enrichment row: the later one replaces, never merges.
+    """
     if not results:
         return
     latest: dict[str, tuple[int, Enrichment]] = {}
     for queue_id, (ticket_id, enrichment) in sorted(results.items()):
         latest[ticket_id] = (queue_id, enrichment)
     tickets = sorted(latest)
+    conn.execute(
+        SQL("enrich_upsert_enrichments"),
+        {
+            "tickets": tickets,
+            "enriched_ats": [looked_up_at] * len(tickets),
+            "order_counts": [len(latest[t][1].orders) for t in tickets],
+            "queue_ids": [latest[t][0] for t in tickets],
+        },
+    )
     conn.execute(SQL("enrich_delete_ticket_orders"), {"tickets": tickets})
     rows: dict[str, list[Any]] = {
         k: []
@@ -198,15 +211,6 @@ def write_results(
             rows["queue_ids"].append(queue_id)
     if rows["tickets"]:
         conn.execute(SQL("enrich_insert_ticket_orders"), rows)
-    conn.execute(
-        SQL("enrich_upsert_enrichments"),
-        {
-            "tickets": tickets,
-            "enriched_ats": [looked_up_at] * len(tickets),
-            "order_counts": [len(latest[t][1].orders) for t in tickets],
-            "queue_ids": [latest[t][0] for t in tickets],
-        },
-    )
 
 
 def log_lookups(conn: sa.Connection, lookups: Sequence[Lookup], *, now: datetime | None) -> None:

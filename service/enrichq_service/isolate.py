@@ -20,18 +20,18 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
+from enrichq_schema.states import LEASE_EXPIRED_ERROR
 from enrichq_service.enrich import EnrichContext, Enrichment, Order, Ticket
 from enrichq_service.errors import Deferral, PermanentError, TransientError
 from enrichq_service.settings import Settings
 
-LEASE_EXPIRED = "lease expired"  # what the sweeper writes when it recovers a lease
 CHILD_DIED = "isolated enrichment process died"
 
 
 def is_suspect(attempts: int, last_error: str | None) -> bool:
     """Did this job's previous attempt end with its process vanishing?"""
     error = last_error or ""
-    return attempts > 1 and (error.startswith(LEASE_EXPIRED) or CHILD_DIED in error)
+    return attempts > 1 and (error == LEASE_EXPIRED_ERROR or CHILD_DIED in error)
 
 
 def enrich_in_child(

@@ -1,8 +1,8 @@
 """Queue operations (DESIGN §3) over the named statements of ``sql/queue.sql``.
 
 Every function takes a ``sa.Connection`` and never commits: the caller owns the
-transaction. Every write after a claim is fenced and reports which rows won; a job whose
-lease was lost is simply absent from the answer, never an exception.
+transaction. Every write after a claim is fenced by the claim's token and reports which
+rows won; a job whose lease was lost is simply absent from the answer, never an exception.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any
+from uuid import UUID
 
 import sqlalchemy as sa
 
@@ -28,6 +30,7 @@ from enrichq_schema.states import (
 )
 from enrichq_service import metrics
 from enrichq_service.errors import ServiceError
+from enrichq_service.settings import PRIORITY_AGING_SECONDS_DEFAULT
 
 if TYPE_CHECKING:
     from enrichq_service.settings import Settings
@@ -35,6 +38,10 @@ if TYPE_CHECKING:
 SQL = load("enrichq_service", "sql/queue.sql")
 NOTIFY_CHANNEL = "enrichq_queue"
 PAYLOAD_MAX_BYTES = 64 * 1024
+# The advisory-lock space of the claim's per-key try-locks ("enrq" as a 32-bit number):
+# pg_locks shows them as classid 0x656E7271, objid the key's hashtext.
+KEY_LOCK_SPACE = 0x656E7271
+ALL_KINDS: tuple[str, ...] = tuple(k.value for k in Kind)
 
 
 class QueueInputError(ServiceError):
@@ -43,14 +50,16 @@ class QueueInputError(ServiceError):
 
 @dataclass(frozen=True, slots=True)
 class EnqueueRequest:
-    """One piece of work to enqueue; build it with `build()` to validate it."""
+    """One piece of work to enqueue; build it with `build()` to validate it.
+
+    Its priority is its tenant's plan, read when it is claimed (DESIGN §3, fairness).
+    """
 
     key: str
     kind: str = Kind.ENRICH.value
     reason: str = Reason.MANUAL.value
     tenant: str | None = None
     payload: Mapping[str, Any] = field(default_factory=dict)
-    priority: int | None = None
     delay_seconds: float | None = None
 
     @classmethod
@@ -62,7 +71,6 @@ class EnqueueRequest:
         reason: str = Reason.MANUAL.value,
         tenant: str | None = None,
         payload: Mapping[str, Any] | None = None,
-        priority: int | None = None,
         delay_seconds: float | None = None,
     ) -> EnqueueRequest:
         """A validated request; a bad field raises QueueInputError naming it."""
@@ -72,14 +80,12 @@ class EnqueueRequest:
             raise QueueInputError(f"key: longer than {KEY_MAX_LENGTH} characters")
         if "\x00" in key or (tenant is not None and "\x00" in tenant):
             raise QueueInputError("key/tenant: must not contain NUL characters")
-        if kind not in {k.value for k in Kind}:
+        if kind not in ALL_KINDS:
             raise QueueInputError(f"kind: {kind!r} is not one of {', '.join(Kind)}")
         if reason not in {r.value for r in Reason}:
             raise QueueInputError(f"reason: {reason!r} is not one of {', '.join(Reason)}")
         if tenant is not None and (not tenant or len(tenant) > KEY_MAX_LENGTH):
             raise QueueInputError(f"tenant: must be 1 to {KEY_MAX_LENGTH} characters")
-        if priority is not None and not -32768 <= priority <= 32767:
-            raise QueueInputError("priority: out of range")
         if delay_seconds is not None and delay_seconds < 0:
             raise QueueInputError("delay_seconds: must not be negative")
         body = dict(payload or {})
@@ -89,7 +95,7 @@ class EnqueueRequest:
             raise QueueInputError(f"payload: not JSON ({exc})") from None
         if len(encoded) > PAYLOAD_MAX_BYTES or "\\u0000" in encoded:
             raise QueueInputError("payload: larger than 64 KiB or contains NUL")
-        return cls(key, kind, reason, tenant, body, priority, delay_seconds)
+        return cls(key, kind, reason, tenant, body, delay_seconds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +110,7 @@ class EnqueueResult:
 
 @dataclass(frozen=True, slots=True)
 class Job:
-    """A claimed row: what a handler needs, and the attempt number that fences its writes."""
+    """A claimed row: what a handler needs, and the claim token that fences its writes."""
 
     id: int
     kind: str
@@ -114,9 +120,29 @@ class Job:
     payload: Mapping[str, Any]
     attempts: int
     max_attempts: int
+    claim_token: UUID
     lease_expires_at: datetime
     created_at: datetime
     last_error: str | None = None  # why the previous attempt ended, if it did
+
+
+class SettleAction(StrEnum):
+    """What a settle does with one held job (DESIGN §3: complete, retry, fail, defer)."""
+
+    COMPLETE = "complete"
+    RETRY = "retry"
+    FAIL = "fail"
+    DEFER = "defer"
+
+
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """One held job and what to do with it: the error of a retry or fail, a defer's time."""
+
+    job: Job
+    action: SettleAction
+    error: str | None = None
+    until: datetime | None = None  # defer only; None = visible again now
 
 
 def delay_for(reason: str, settings: Settings) -> float:
@@ -148,7 +174,6 @@ def enqueue(
             float(r.delay_seconds if r.delay_seconds is not None else delay_for(r.reason, settings))
             for r in requests
         ],
-        "priorities": [r.priority for r in requests],
         "max_attempts": [settings.max_attempts] * len(requests),
         "middle_priority": OWNERLESS_PRIORITY,
         "now": now,
@@ -185,23 +210,31 @@ def enqueue(
 def claim(
     conn: sa.Connection,
     *,
-    kind: str,
+    kinds: Sequence[str] = ALL_KINDS,
     owner: str,
     limit: int,
     lease_seconds: float,
+    aging_seconds: float = PRIORITY_AGING_SECONDS_DEFAULT,
     now: datetime | None = None,
 ) -> list[Job]:
-    """Lease up to `limit` visible rows of `kind` to `owner` (attempts + 1 at claim time)."""
+    """Lease up to `limit` visible rows of `kinds` to `owner` (attempts + 1 at claim time).
+
+    Raises IntegrityError on the leased-key index in the rare race where another claim of
+    one of the keys committed after this statement's snapshot; the caller claims again in
+    a new transaction (whose snapshot sees that lease).
+    """
     if limit <= 0:
         return []
     rows = conn.execute(
         SQL("queue_claim_batch"),
         {
-            "kind": kind,
+            "kinds": list(kinds),
             "owner": owner,
             "limit": limit,
             "lease_seconds": float(lease_seconds),
+            "aging_seconds": float(aging_seconds),
             "middle_priority": OWNERLESS_PRIORITY,
+            "key_lock_space": KEY_LOCK_SPACE,
             "now": now,
         },
     ).all()
@@ -215,14 +248,17 @@ def claim(
             payload=r.payload,
             attempts=r.attempts,
             max_attempts=r.max_attempts,
+            claim_token=r.claim_token,
             lease_expires_at=r.lease_expires_at,
             created_at=r.created_at,
             last_error=r.last_error,
         )
         for r in rows
     ]
-    metrics.claims_total.labels(kind).inc(len(jobs))
-    metrics.claim_batch_size.labels(kind).observe(len(jobs))
+    for kind in {j.kind for j in jobs}:
+        n = sum(j.kind == kind for j in jobs)
+        metrics.claims_total.labels(kind).inc(n)
+        metrics.claim_batch_size.labels(kind).observe(n)
     return jobs
 
 
@@ -244,7 +280,7 @@ def heartbeat(
             SQL("queue_heartbeat"),
             {
                 "ids": [j.id for j in jobs],
-                "attempts": [j.attempts for j in jobs],
+                "tokens": [j.claim_token for j in jobs],
                 "owner": owner,
                 "lease_seconds": float(lease_seconds),
                 "now": now,
@@ -257,26 +293,68 @@ def heartbeat(
     return lost
 
 
+def settle(
+    conn: sa.Connection,
+    *,
+    owner: str,
+    settles: Sequence[Settle],
+    backoff_base_seconds: float,
+    backoff_cap_seconds: float,
+    now: datetime | None = None,
+) -> dict[int, Outcome]:
+    """Settle held jobs in one statement, each by its action; the outcome of each that won.
+
+    Write the results of the completes that won in the same transaction. A retry or defer
+    that meets an enqueue of its key committed after the statement's snapshot runs again
+    (in a savepoint, so only then does the group pay for one).
+    """
+    if not settles:
+        return {}
+    params = {
+        "ids": [s.job.id for s in settles],
+        "tokens": [s.job.claim_token for s in settles],
+        "actions": [s.action.value for s in settles],
+        "errors": [None if s.error is None else _clip(s.error) for s in settles],
+        "untils": [s.until for s in settles],
+        "owner": owner,
+        "backoff_base": float(backoff_base_seconds),
+        "backoff_cap": float(backoff_cap_seconds),
+        "now": now,
+    }
+
+    def run() -> Sequence[sa.Row[Any]]:
+        return conn.execute(SQL("queue_settle"), params).all()
+
+    requeues = any(s.action in _REQUEUES for s in settles)
+    rows = rerun_lost_races(conn, run) if requeues else run()
+    actions = {s.job.id: s.action for s in settles}
+    won = {r.id: _outcome(actions[r.id], r.state) for r in rows}
+    for action in SettleAction:
+        asked = sum(s.action is action for s in settles)
+        _count_refused(action.value, asked - sum(actions[i] is action for i in won))
+    return won
+
+
+_REQUEUES = frozenset({SettleAction.RETRY, SettleAction.DEFER})
+
+
+def _outcome(action: SettleAction, state: str) -> Outcome:
+    """What a won settle did, as the outcome metrics count it."""
+    if action is SettleAction.COMPLETE:
+        return Outcome.DONE
+    if action is SettleAction.FAIL:
+        return Outcome.FAILED
+    if action is SettleAction.DEFER:
+        return Outcome.DEFERRED  # queued again, or superseded by the key's queued row
+    return Outcome.RETRY if state == State.QUEUED else Outcome.DEAD_LETTER
+
+
 def complete(
     conn: sa.Connection, *, owner: str, jobs: Sequence[Job], now: datetime | None = None
 ) -> set[int]:
     """Mark held jobs done; returns the ids that won (write only their results, same tx)."""
-    if not jobs:
-        return set()
-    won = {
-        r.id
-        for r in conn.execute(
-            SQL("queue_complete"),
-            {
-                "ids": [j.id for j in jobs],
-                "attempts": [j.attempts for j in jobs],
-                "owner": owner,
-                "now": now,
-            },
-        )
-    }
-    _count_refused("complete", len(jobs) - len(won))
-    return won
+    settles = [Settle(j, SettleAction.COMPLETE) for j in jobs]
+    return set(settle(conn, owner=owner, settles=settles, **_NO_BACKOFF, now=now))
 
 
 def fail(
@@ -287,23 +365,8 @@ def fail(
     now: datetime | None = None,
 ) -> set[int]:
     """Mark held jobs failed for good (permanent error kept); returns the ids that won."""
-    if not failures:
-        return set()
-    won = {
-        r.id
-        for r in conn.execute(
-            SQL("queue_fail"),
-            {
-                "ids": [j.id for j, _ in failures],
-                "attempts": [j.attempts for j, _ in failures],
-                "errors": [_clip(e) for _, e in failures],
-                "owner": owner,
-                "now": now,
-            },
-        )
-    }
-    _count_refused("fail", len(failures) - len(won))
-    return won
+    settles = [Settle(j, SettleAction.FAIL, error=e) for j, e in failures]
+    return set(settle(conn, owner=owner, settles=settles, **_NO_BACKOFF, now=now))
 
 
 def retry(
@@ -319,21 +382,14 @@ def retry(
 
     Returns the outcome (retry or dead_letter) of each job that won.
     """
-    if not failures:
-        return {}
-    params = {
-        "ids": [j.id for j, _ in failures],
-        "attempts": [j.attempts for j, _ in failures],
-        "errors": [_clip(e) for _, e in failures],
-        "owner": owner,
-        "backoff_base": float(backoff_base_seconds),
-        "backoff_cap": float(backoff_cap_seconds),
-        "now": now,
-    }
-    rows = rerun_lost_races(conn, lambda: conn.execute(SQL("queue_retry"), params).all())
-    won = {r.id: Outcome.RETRY if r.state == State.QUEUED else Outcome.DEAD_LETTER for r in rows}
-    _count_refused("retry", len(failures) - len(won))
-    return won
+    return settle(
+        conn,
+        owner=owner,
+        settles=[Settle(j, SettleAction.RETRY, error=e) for j, e in failures],
+        backoff_base_seconds=backoff_base_seconds,
+        backoff_cap_seconds=backoff_cap_seconds,
+        now=now,
+    )
 
 
 def defer(
@@ -344,18 +400,11 @@ def defer(
     now: datetime | None = None,
 ) -> set[int]:
     """Give held jobs back until a time (None = now) without spending their attempt."""
-    if not deferrals:
-        return set()
-    params = {
-        "ids": [j.id for j, _ in deferrals],
-        "attempts": [j.attempts for j, _ in deferrals],
-        "untils": [u for _, u in deferrals],
-        "owner": owner,
-        "now": now,
-    }
-    rows = rerun_lost_races(conn, lambda: conn.execute(SQL("queue_defer"), params).all())
-    _count_refused("defer", len(deferrals) - len(rows))
-    return {r.id for r in rows}
+    settles = [Settle(j, SettleAction.DEFER, until=u) for j, u in deferrals]
+    return set(settle(conn, owner=owner, settles=settles, **_NO_BACKOFF, now=now))
+
+
+_NO_BACKOFF = {"backoff_base_seconds": 0.0, "backoff_cap_seconds": 0.0}
 
 
 def _count_refused(operation: str, refused: int) -> None:

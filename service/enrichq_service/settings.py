@@ -37,6 +37,7 @@ METRICS_PORT_DEFAULT = 9464
 PARITY_MIN_ORDER_COVERAGE_DEFAULT = 0.995
 PARITY_MIN_TICKET_MATCH_RATE_DEFAULT = 0.99
 PARITY_MAX_AGE_HOURS_DEFAULT = 24
+PRIORITY_AGING_SECONDS_DEFAULT = 600
 BUILTIN_ENRICHER = "enrichq_service.enrich:warehouse_lookup"
 BUILTIN_GAVE_UP_HOOK = "enrichq_sweeper.recovery:log_gave_up"
 
@@ -97,6 +98,11 @@ class Settings(BaseSettings):
     )
     poll_seconds: float = Field(
         default=POLL_SECONDS_DEFAULT, gt=0, description="Backstop poll when no NOTIFY arrives."
+    )
+    priority_aging_seconds: float = Field(
+        default=PRIORITY_AGING_SECONDS_DEFAULT,
+        gt=0,
+        description="Seconds a queued row waits visible to rise one plan level in the claim.",
     )
     concurrency: int = Field(
         default=CONCURRENCY_DEFAULT, ge=1, le=1024, description="Jobs in flight per worker."

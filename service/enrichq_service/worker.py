@@ -1,8 +1,8 @@
 """The worker runtime: claim, heartbeat, enrich, settle (DESIGN §3, §4; issue 4).
 
 Threads of one worker process:
-- the claim loop (``Worker.run``): claims only as many rows as it has free slots, serving
-  kinds as ordered stages (after each batch it starts again from the first stage);
+- the claim loop (``Worker.run``): claims only as many rows as it has free slots, of every
+  kind at once, in the claim's fair order;
 - handlers in a thread pool: read nothing from the queue, call the enricher;
 - the settler: groups finished jobs and settles them in one transaction per group
   (fenced state changes, and the results of exactly the jobs that won);
@@ -41,7 +41,9 @@ import sqlalchemy.exc as sa_exc
 
 from enrichq_schema import runlog
 from enrichq_schema.db import create_engine, normalize_url
+from enrichq_schema.errors import constraint_name
 from enrichq_schema.states import Component, Kind, Outcome, StopReason
+from enrichq_schema.tables import LEASED_KEY_INDEX
 from enrichq_service import enrich, metrics
 from enrichq_service import queue as q
 from enrichq_service.enrich import (
@@ -62,7 +64,7 @@ from enrichq_service.settings import Settings
 
 log = logging.getLogger(__name__)
 
-KIND_STAGES: tuple[str, ...] = (Kind.ENRICH.value, Kind.REFRESH.value)
+KINDS: tuple[str, ...] = (Kind.ENRICH.value, Kind.REFRESH.value)
 SETTLE_GROUP_SIZE = 50
 SETTLE_GROUP_SECONDS = 0.005  # a group is flushed when full or this old
 # Freed slots are gathered before claiming again: until half are free or the first has
@@ -79,6 +81,14 @@ class Action(StrEnum):
     FAIL = "fail"
     DEFER = "defer"
     DROP = "drop"  # the lease is gone: only the lookup (if any) is recorded
+
+
+_SETTLE_ACTIONS = {
+    Action.COMPLETE: q.SettleAction.COMPLETE,
+    Action.RETRY: q.SettleAction.RETRY,
+    Action.FAIL: q.SettleAction.FAIL,
+    Action.DEFER: q.SettleAction.DEFER,
+}
 
 
 @dataclass(eq=False)
@@ -160,7 +170,7 @@ class Worker:
         warehouse: sa.Engine | None = None,
         claims: sa.Engine | None = None,
         owner: str | None = None,
-        kinds: Sequence[str] = KIND_STAGES,
+        kinds: Sequence[str] = KINDS,
         enricher: enrich.Enricher | None = None,
     ) -> None:
         self.settings = settings
@@ -228,7 +238,7 @@ class Worker:
                     self.stop.wait(backoff.next())
                     continue
                 if claimed:
-                    continue  # start again from the first stage
+                    continue
                 if drain and not held_before_claim:
                     exhausted = budget is not None and budget.exhausted
                     result.stop_reason = (
@@ -252,7 +262,7 @@ class Worker:
         return result
 
     def _claim_round(self, pool: ThreadPoolExecutor) -> tuple[bool, Budget | None]:
-        """Claim one batch from the first stage that has work; dispatch it."""
+        """Claim one batch (every kind, in the claim's fair order); dispatch it."""
         in_flight = self._held_count()
         free = self.settings.concurrency - in_flight
         # With the budget spent, work is still claimed: its handler defers it to the reset,
@@ -268,23 +278,35 @@ class Worker:
         if gathering and now - self._free_since < CLAIM_GATHER_SECONDS:
             return False, budget
         lease = self.settings.lease_seconds
-        for kind in self.kinds:
+        try:
             with self._claim_conn.begin() as conn:
-                jobs = q.claim(conn, kind=kind, owner=self.owner, limit=free, lease_seconds=lease)
-                if not jobs:
-                    continue
+                jobs = q.claim(
+                    conn,
+                    kinds=self.kinds,
+                    owner=self.owner,
+                    limit=free,
+                    lease_seconds=lease,
+                    aging_seconds=self.settings.priority_aging_seconds,
+                )
                 tickets = read_tickets(conn, self.settings, sorted({j.key for j in jobs}))
-            deadline = time.monotonic() + self.settings.attempt_deadline_seconds
-            with self._lock:
-                batch = [Held(j, tickets.get(j.key), deadline) for j in jobs]
-                self._held.update((h.job.id, h) for h in batch)
-            self._free_since = None
-            metrics.jobs_in_flight.set(self._held_count())
-            self._result.counts["claimed"] += len(jobs)
-            for job in batch:
-                pool.submit(self._execute, job)
+        except sa_exc.IntegrityError as exc:
+            if constraint_name(exc) != LEASED_KEY_INDEX:
+                raise
+            # another claim of one of these keys committed after this claim's snapshot:
+            # a new claim sees its lease
             return True, budget
-        return False, budget
+        if not jobs:
+            return False, budget
+        deadline = time.monotonic() + self.settings.attempt_deadline_seconds
+        with self._lock:
+            batch = [Held(j, tickets.get(j.key), deadline) for j in jobs]
+            self._held.update((h.job.id, h) for h in batch)
+        self._free_since = None
+        metrics.jobs_in_flight.set(self._held_count())
+        self._result.counts["claimed"] += len(jobs)
+        for job in batch:
+            pool.submit(self._execute, job)
+        return True, budget
 
     def _idle_wait(self, budget: Budget | None) -> float:
         wait = self.settings.poll_seconds
@@ -324,7 +346,7 @@ class Worker:
         job = held.job
         lookup: Lookup | None = None
         try:
-            if job.kind not in KIND_STAGES:
+            if job.kind not in KINDS:
                 raise PermanentError(f"unknown kind {job.kind!r}")
             if not isinstance(job.payload, Mapping):
                 raise PermanentError("payload must be a JSON object")
@@ -447,41 +469,29 @@ class Worker:
         by_action: dict[Action, list[Settlement]] = {a: [] for a in Action}
         for s in group:
             by_action[s.action].append(s)
-        outcomes: dict[int, Outcome] = {}
+        settles = [
+            q.Settle(s.held.job, _SETTLE_ACTIONS[s.action], error=s.error, until=s.until)
+            for s in group
+            if s.action is not Action.DROP
+        ]
         with self._settle_conn.begin() as conn:
+            outcomes = q.settle(
+                conn,
+                owner=self.owner,
+                settles=settles,
+                backoff_base_seconds=self.settings.backoff_base_seconds,
+                backoff_cap_seconds=self.settings.backoff_cap_seconds,
+            )
             done = by_action[Action.COMPLETE]
-            won = q.complete(conn, owner=self.owner, jobs=[s.held.job for s in done])
             write_results(
                 conn,
                 {
                     s.held.job.id: (s.held.job.key, s.enrichment)
                     for s in done
-                    if s.held.job.id in won and s.enrichment is not None
+                    if outcomes.get(s.held.job.id) is Outcome.DONE and s.enrichment is not None
                 },
                 looked_up_at=datetime.now(UTC),
             )
-            outcomes.update(dict.fromkeys(won, Outcome.DONE))
-            outcomes.update(
-                q.retry(
-                    conn,
-                    owner=self.owner,
-                    failures=[(s.held.job, s.error or "") for s in by_action[Action.RETRY]],
-                    backoff_base_seconds=self.settings.backoff_base_seconds,
-                    backoff_cap_seconds=self.settings.backoff_cap_seconds,
-                )
-            )
-            failed = q.fail(
-                conn,
-                owner=self.owner,
-                failures=[(s.held.job, s.error or "") for s in by_action[Action.FAIL]],
-            )
-            outcomes.update(dict.fromkeys(failed, Outcome.FAILED))
-            deferred = q.defer(
-                conn,
-                owner=self.owner,
-                deferrals=[(s.held.job, s.until) for s in by_action[Action.DEFER]],
-            )
-            outcomes.update(dict.fromkeys(deferred, Outcome.DEFERRED))
             lookups = [s.lookup for s in group if s.lookup is not None]
             log_lookups(conn, lookups, now=None)
         if any(x.bytes_billed for x in lookups):

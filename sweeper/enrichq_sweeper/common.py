@@ -8,10 +8,9 @@ import socket
 import sqlalchemy as sa
 
 from enrichq_schema.db import rerun_lost_races
-from enrichq_schema.errors import RaceLost
 from enrichq_schema.queries import Queries, load
 
-__all__ = ["RaceLost", "retry_races"]
+__all__ = ["retry_races"]
 STATEMENT_TIMEOUT_SECONDS_DEFAULT = 30.0
 DEFAULT_BATCH_SIZE = 1000
 

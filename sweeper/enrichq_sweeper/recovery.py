@@ -1,10 +1,12 @@
 """Lease recovery: expired leases back to the queue, or to the dead letters (DESIGN §3, sweep).
 
 A pass walks the expired leases by an id cursor, one transaction per page. The scan reads a
-page; the write (one statement) takes every still-expired lease of the page's keys and
-decides per key: a spent row is dead-lettered (`attempts_exhausted`) and handed to the
-gave-up hook; the newest other row goes back to the queue, visible now; the rest are
-dead-lettered as superseded by it, or by the key's queued row when it has one.
+page; the write (one statement) locks the page's rows that are still expired leases, in
+the global lock order, and decides per row: a spent row is dead-lettered
+(`attempts_exhausted`) and handed to the gave-up hook; a row whose key has a queued row
+of its kind is dead-lettered as superseded by it; any other goes back to the queue,
+visible now. A key holds one lease at most (`queue_leased_key_uq`), so no two expired
+rows of a key ever compete for the queue.
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ from typing import Any, cast
 
 import sqlalchemy as sa
 
+from enrichq_schema.states import LEASE_EXPIRED_ERROR
 from enrichq_sweeper.common import (
     DEFAULT_BATCH_SIZE,
     STATEMENT_TIMEOUT_SECONDS_DEFAULT,
-    RaceLost,
     retry_races,
     set_statement_timeout,
     sql,
@@ -137,44 +139,45 @@ def scan(
     return [Expired(*r) for r in rows]
 
 
+def lock_order(row: Expired) -> tuple[bytes, bytes, int]:
+    """The global lock order of queue rows, (key, kind, id) in byte order (sql/queue.sql)."""
+    return row.key.encode(), row.kind.encode(), row.id
+
+
 def recover_batch(
     conn: sa.Connection, page: Sequence[Expired], *, now: datetime | None = None
 ) -> BatchOutcome:
-    """Recover every still-expired lease of the keys in `page`; the caller commits.
+    """Recover the rows of `page` that are still expired leases; the caller commits.
 
-    A row settled or extended by its worker since the scan is left alone: the statement
-    then runs again on a fresh snapshot, as it does when an enqueue of one of the keys
-    races it (never a violation of the queued-key index).
+    A row settled or extended by its worker since the scan is left alone. An enqueue of
+    one of the keys that commits during the statement makes it run again, never a
+    violation of the queued-key index.
     """
     if not page:
         return BatchOutcome()
-    pairs = sorted({(e.kind, e.key) for e in page})
-    params = {"kinds": [k for k, _ in pairs], "keys": [k for _, k in pairs], "now": now}
-
-    def attempt() -> Sequence[sa.Row[Any]]:
-        rows = conn.execute(sql()("recovery_recover_batch"), params).all()
-        if rows[0].skipped:
-            raise RaceLost
-        return rows
-
-    rows = retry_races(conn, attempt)
+    ordered = sorted(page, key=lock_order)
+    params = {
+        "ids": [e.id for e in ordered],
+        "kinds": sorted({e.kind for e in page}),
+        "keys": sorted({e.key for e in page}),
+        "lease_expired": LEASE_EXPIRED_ERROR,
+        "now": now,
+    }
+    rows = retry_races(conn, lambda: conn.execute(sql()("recovery_recover_batch"), params).all())
     promoted: list[int] = []
     superseded: list[tuple[int, int]] = []
     exhausted: list[GaveUp] = []
     kinds: set[str] = set()
     for r in rows:
-        if r.action is None:  # nothing to recover: the one row only says nothing was skipped
-            continue
         if r.action == "promote":
-            promoted.extend(r.ids)
+            promoted.append(r.id)
             kinds.add(r.kind)
         elif r.action == "supersede":
-            superseded.extend(zip(r.ids, r.winners, strict=True))
+            superseded.append((r.id, r.winner))
         else:
-            [row_id] = r.ids
             exhausted.append(
                 GaveUp(
-                    id=row_id,
+                    id=r.id,
                     kind=r.kind,
                     key=r.key,
                     tenant=r.tenant,
@@ -185,9 +188,6 @@ def recover_batch(
                     payload=r.payload,
                 )
             )
-    promoted.sort()
-    superseded.sort()
-    exhausted.sort(key=lambda g: g.id)
     return BatchOutcome(tuple(promoted), tuple(superseded), tuple(exhausted), frozenset(kinds))
 
 

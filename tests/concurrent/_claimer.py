@@ -42,7 +42,7 @@ def claim_until_empty(
         while True:
             with engine.begin() as conn:
                 jobs = queue.claim(
-                    conn, kind="enrich", owner=owner, limit=batch, lease_seconds=LEASE_SECONDS
+                    conn, kinds=("enrich",), owner=owner, limit=batch, lease_seconds=LEASE_SECONDS
                 )
             if not jobs:
                 break

@@ -247,7 +247,7 @@ def test_retries_and_defers_racing_enqueues_never_fail_nor_double_queue(db_url: 
             queue.enqueue(conn, [EnqueueRequest.build(key=k) for k in keys], settings=cfg)
         for round_no in range(ROUNDS):
             with engine.begin() as conn:
-                jobs = queue.claim(conn, kind="enrich", owner="w", limit=KEYS, lease_seconds=60)
+                jobs = queue.claim(conn, kinds=("enrich",), owner="w", limit=KEYS, lease_seconds=60)
             assert sorted(j.key for j in jobs) == sorted(keys), f"round {round_no}"
 
             def settle(job: queue.Job, use_defer: bool) -> str:

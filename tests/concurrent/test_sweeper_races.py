@@ -106,8 +106,8 @@ def run_race(
 
 def test_a_worker_settling_the_row_while_the_batch_waits_wins(db_engine: sa.Engine) -> None:
     with db_engine.begin() as conn:
-        older = expired(conn, "T-1")
-        settled = expired(conn, "T-1")  # the newest: the one the scan would promote
+        settled = expired(conn, "T-1")
+        other = expired(conn, "T-2")
 
     def worker_completes(conn: sa.Connection) -> None:
         # the lease ran out while the worker was writing; its fenced write got there first
@@ -120,8 +120,8 @@ def test_a_worker_settling_the_row_while_the_batch_waits_wins(db_engine: sa.Engi
     outcome = run_race(db_engine, worker_completes)
     assert get(db_engine, settled).state == "done"
     assert get(db_engine, settled).last_error is None
-    # the key's other expired row is still recovered, as the newest one left
-    assert outcome.promoted == (older,)
+    # the page's other expired row is still recovered
+    assert outcome.promoted == (other,)
 
 
 def test_an_enqueue_committed_during_the_batch_supersedes_instead_of_failing(

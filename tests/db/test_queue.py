@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -11,9 +12,11 @@ import sqlalchemy as sa
 from tests.conftest import make_settings
 
 from enrichq_schema.states import Outcome
+from enrichq_schema.tables import LEASED_KEY_INDEX
 from enrichq_service import queue
 from enrichq_service.queue import EnqueueRequest, Job, QueueInputError
 from enrichq_service.settings import Settings
+from enrichq_sweeper import dlq
 
 T0 = datetime(2026, 1, 5, 12, 0, tzinfo=UTC)
 LEASE = 60.0
@@ -42,7 +45,7 @@ def put(conn: sa.Connection, cfg: Settings, key: str, *, reason: str = "manual",
 
 
 def claim_one(conn: sa.Connection, owner: str = "w1", now: float = 0) -> Job:
-    [job] = queue.claim(conn, kind="enrich", owner=owner, limit=1, lease_seconds=LEASE, now=at(now))
+    [job] = queue.claim(conn, owner=owner, limit=1, lease_seconds=LEASE, now=at(now))
     return job
 
 
@@ -131,7 +134,7 @@ def test_claim_leases_visible_rows_and_counts_the_attempt(
 ) -> None:
     job_id = put(conn, cfg, "T-1")
     put(conn, cfg, "T-2", reason="created")  # not visible for 10 minutes
-    jobs = queue.claim(conn, kind="enrich", owner="w1", limit=10, lease_seconds=LEASE, now=at(5))
+    jobs = queue.claim(conn, owner="w1", limit=10, lease_seconds=LEASE, now=at(5))
     assert [j.id for j in jobs] == [job_id]
     r = row(conn, job_id)
     assert (r.state, r.attempts, r.lease_owner) == ("leased", 1, "w1")
@@ -141,26 +144,54 @@ def test_claim_leases_visible_rows_and_counts_the_attempt(
 
 def test_claim_respects_the_limit_and_oldest_first(conn: sa.Connection, cfg: Settings) -> None:
     ids = [put(conn, cfg, f"T-{i}", delay_seconds=10 - i) for i in range(5)]
-    jobs = queue.claim(conn, kind="enrich", owner="w1", limit=3, lease_seconds=LEASE, now=at(20))
+    jobs = queue.claim(conn, owner="w1", limit=3, lease_seconds=LEASE, now=at(20))
     assert [j.id for j in jobs] == sorted(ids[2:])  # visible 8, 7, 6 s after T0: oldest first
 
 
-def test_claim_only_takes_its_kind(conn: sa.Connection, cfg: Settings) -> None:
+def test_claim_only_takes_the_kinds_it_is_given(conn: sa.Connection, cfg: Settings) -> None:
     put(conn, cfg, "T-1", kind="refresh")
-    assert queue.claim(conn, kind="enrich", owner="w", limit=5, lease_seconds=LEASE, now=T0) == []
-    assert len(queue.claim(conn, kind="refresh", owner="w", limit=5, lease_seconds=LEASE, now=T0))
-
-
-def test_claim_never_takes_a_key_with_a_live_lease(conn: sa.Connection, cfg: Settings) -> None:
-    put(conn, cfg, "T-1")
-    claim_one(conn, "w1", now=0)
-    second = put(conn, cfg, "T-1")
+    enrich_only = ("enrich",)
     assert (
-        queue.claim(conn, kind="enrich", owner="w2", limit=5, lease_seconds=LEASE, now=at(10)) == []
+        queue.claim(conn, kinds=enrich_only, owner="w", limit=5, lease_seconds=LEASE, now=T0) == []
     )
-    # once the first lease has expired the key is free again
-    [job] = queue.claim(conn, kind="enrich", owner="w2", limit=5, lease_seconds=LEASE, now=at(61))
-    assert job.id == second
+    assert len(queue.claim(conn, owner="w", limit=5, lease_seconds=LEASE, now=T0))
+
+
+def test_claim_never_takes_a_key_that_has_a_lease(conn: sa.Connection, cfg: Settings) -> None:
+    put(conn, cfg, "T-1")
+    first = claim_one(conn, "w1", now=0)
+    put(conn, cfg, "T-1")
+    refresh = put(conn, cfg, "T-1", kind="refresh")
+    assert queue.claim(conn, owner="w2", limit=5, lease_seconds=LEASE, now=at(10)) == []
+    # an expired lease still holds the key, until the sweeper recovers it: the ticket is
+    # never worked by two leases at once, whatever their kinds
+    assert queue.claim(conn, owner="w2", limit=5, lease_seconds=LEASE, now=at(61)) == []
+    assert queue.complete(conn, owner="w1", jobs=[first], now=at(30)) == {first.id}
+    # then one of the key's rows, and only one: the refresh row, served least of its kind
+    [job] = queue.claim(conn, owner="w2", limit=5, lease_seconds=LEASE, now=at(62))
+    assert job.id == refresh
+
+
+def test_the_database_refuses_a_second_lease_of_a_key(conn: sa.Connection, cfg: Settings) -> None:
+    put(conn, cfg, "T-1")
+    job = claim_one(conn, "w1")
+    other = put(conn, cfg, "T-1", kind="refresh")
+    with pytest.raises(sa.exc.IntegrityError, match=LEASED_KEY_INDEX):
+        conn.execute(
+            sa.text(
+                "UPDATE enrichq.queue SET state = 'leased', lease_owner = 'w2',"
+                " lease_expires_at = now() WHERE id = :id"
+            ),
+            {"id": other},
+        )
+    assert job.key == "T-1"
+
+
+def test_a_ticket_queued_in_both_kinds_is_claimed_once(conn: sa.Connection, cfg: Settings) -> None:
+    put(conn, cfg, "T-1", delay_seconds=0)
+    put(conn, cfg, "T-1", kind="refresh", delay_seconds=1)
+    jobs = queue.claim(conn, owner="w1", limit=5, lease_seconds=LEASE, now=at(5))
+    assert [(j.key, j.kind) for j in jobs] == [("T-1", "enrich")]
 
 
 # -- heartbeat
@@ -171,7 +202,7 @@ def test_heartbeat_extends_held_leases_and_reports_lost_ones(
 ) -> None:
     put(conn, cfg, "T-1")
     put(conn, cfg, "T-2")
-    a, b = queue.claim(conn, kind="enrich", owner="w1", limit=2, lease_seconds=LEASE, now=T0)
+    a, b = queue.claim(conn, kinds=("enrich",), owner="w1", limit=2, lease_seconds=LEASE, now=T0)
     lost = queue.heartbeat(conn, owner="w1", jobs=[a, b], lease_seconds=LEASE, now=at(30))
     assert lost == set()
     assert row(conn, a.id).lease_expires_at == at(90)
@@ -195,7 +226,7 @@ def test_complete_marks_done(conn: sa.Connection, cfg: Settings) -> None:
     assert (r.state, r.lease_owner, r.finished_at) == ("done", None, at(1))
 
 
-@pytest.mark.parametrize("refusal", ["wrong_owner", "stale_attempt", "expired", "wrong_state"])
+@pytest.mark.parametrize("refusal", ["wrong_owner", "stale_token", "expired", "wrong_state"])
 def test_every_fenced_write_refuses_a_job_it_does_not_hold(
     conn: sa.Connection, cfg: Settings, refusal: str
 ) -> None:
@@ -204,8 +235,8 @@ def test_every_fenced_write_refuses_a_job_it_does_not_hold(
     owner, now = "w1", at(1)
     if refusal == "wrong_owner":
         owner = "w2"
-    elif refusal == "stale_attempt":
-        job = dataclasses.replace(job, attempts=0)
+    elif refusal == "stale_token":
+        job = dataclasses.replace(job, claim_token=uuid.uuid4())
     elif refusal == "expired":
         now = at(61)
     else:
@@ -227,6 +258,55 @@ def test_every_fenced_write_refuses_a_job_it_does_not_hold(
     assert queue.defer(conn, owner=owner, deferrals=[(job, None)], now=now) == set()
     assert queue.heartbeat(conn, owner=owner, jobs=[job], lease_seconds=LEASE, now=now) == {job.id}
     assert row(conn, job.id) == before
+
+
+# -- the claim token: new at every claim, so an older attempt of the same owner is refused
+
+
+def _claim_again_after(conn: sa.Connection, cfg: Settings, path: str) -> tuple[Job, Job]:
+    """The same owner holds a row twice: (the older attempt, the newer one)."""
+    put(conn, cfg, "T-1")
+    if path == "undone":
+        # a claim that a server crash undid (the claim engine commits asynchronously)
+        savepoint = conn.begin_nested()
+        old = claim_one(conn, "w1", now=0)
+        savepoint.rollback()
+        return old, claim_one(conn, "w1", now=1)
+    old = claim_one(conn, "w1", now=0)
+    if path == "defer":
+        assert queue.defer(conn, owner="w1", deferrals=[(old, None)], now=at(1)) == {old.id}
+    else:  # redrive: the attempts are reset
+        conn.execute(
+            sa.text("UPDATE enrichq.queue SET max_attempts = 1 WHERE id = :i"), {"i": old.id}
+        )
+        old = dataclasses.replace(old, max_attempts=1)
+        won = queue.retry(
+            conn,
+            owner="w1",
+            failures=[(old, "boom")],
+            backoff_base_seconds=0,
+            backoff_cap_seconds=0,
+            now=at(1),
+        )
+        assert won == {old.id: Outcome.DEAD_LETTER}
+        assert dlq.redrive(conn, ids=[old.id], now=at(1)).redriven
+    new = claim_one(conn, "w1", now=2)
+    assert (new.id, new.attempts) == (old.id, old.attempts)  # what the old fence matched on
+    return old, new
+
+
+@pytest.mark.parametrize("path", ["defer", "redrive", "undone"])
+def test_an_older_attempt_of_the_same_owner_is_refused(
+    conn: sa.Connection, cfg: Settings, path: str
+) -> None:
+    old, new = _claim_again_after(conn, cfg, path)
+    assert new.claim_token != old.claim_token
+    assert queue.heartbeat(conn, owner="w1", jobs=[old], lease_seconds=LEASE, now=at(3)) == {old.id}
+    assert queue.complete(conn, owner="w1", jobs=[old], now=at(3)) == set()
+    assert queue.fail(conn, owner="w1", failures=[(old, "x")], now=at(3)) == set()
+    assert row(conn, new.id).state == "leased"
+    assert queue.complete(conn, owner="w1", jobs=[new], now=at(4)) == {new.id}
+    assert row(conn, new.id).state == "done"
 
 
 # -- retry
@@ -378,3 +458,32 @@ def test_in_flight_work_counts_as_served(conn: sa.Connection, cfg: Settings) -> 
     first = claim_one(conn, "w", now=5)  # a-0, still leased
     second = claim_one(conn, "w", now=6)
     assert (first.key, second.key) == ("a-0", "b-0")
+
+
+def test_refresh_is_not_served_only_after_every_enrich_row(
+    conn: sa.Connection, cfg: Settings
+) -> None:
+    """Ownerless maintenance work counts as the middle plan across kinds: a free-plan enrich
+    backlog waits behind it, and a standard-plan backlog takes turns with it."""
+    conn.execute(
+        sa.text(
+            "INSERT INTO enrichq.tenants (tenant, plan, priority)"
+            " VALUES ('cheap', 'free', 0), ('plain', 'standard', 1)"
+        )
+    )
+    for i in range(20):
+        put(conn, cfg, f"cheap-{i}", tenant="cheap", delay_seconds=0)
+    put(conn, cfg, "maint-0", kind="refresh", delay_seconds=5)
+    put(conn, cfg, "maint-1", kind="refresh", delay_seconds=5)
+    first = claim_one(conn, "w", now=10)
+    assert (first.kind, first.key) == ("refresh", "maint-0")  # before the older free backlog
+    for i in range(3):
+        put(conn, cfg, f"plain-{i}", tenant="plain", delay_seconds=0)
+    order = [(j.kind, j.key) for j in (claim_one(conn, "w", now=20 + n) for n in range(4))]
+    # plain (served least) first; then both served once, the older row; then refresh's turn
+    assert order == [
+        ("enrich", "plain-0"),
+        ("enrich", "plain-1"),
+        ("refresh", "maint-1"),
+        ("enrich", "plain-2"),
+    ]

@@ -10,11 +10,13 @@ must equal the model and the invariants must hold whatever the model says.
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, ClassVar
+from uuid import UUID
 
 import sqlalchemy as sa
 from hypothesis import HealthCheck, settings
@@ -51,7 +53,7 @@ MICROSECOND = timedelta(microseconds=1)
 
 COLUMNS = (
     "id, kind, key, state, visible_at, attempts, max_attempts, lease_owner, lease_expires_at,"
-    " heartbeat_at, last_error, dead_reason, superseded_by, finished_at"
+    " heartbeat_at, last_error, dead_reason, superseded_by, finished_at, claim_token"
 )
 
 
@@ -73,6 +75,7 @@ class Row:
     dead_reason: str | None = None
     superseded_by: int | None = None
     finished_at: datetime | None = None
+    claim_token: UUID | None = None  # random, so the model learns it from the claim's answer
 
     def as_tuple(self) -> tuple[Any, ...]:
         return dataclasses.astuple(self)
@@ -93,18 +96,13 @@ class Model:
         assert len(found) <= 1
         return found[0] if found else None
 
-    def live_lease_keys(self) -> set[str]:
-        return {
-            r.key
-            for r in self.rows.values()
-            if r.state == "leased"
-            and r.lease_expires_at is not None
-            and r.lease_expires_at > self.now
-        }
+    def leased_keys(self) -> set[str]:
+        """Keys with a lease, live or expired: one lease per ticket until the sweeper."""
+        return {r.key for r in self.rows.values() if r.state == "leased"}
 
     def claimable(self, kind: str) -> list[Row]:
-        """Visible queued rows of `kind` whose key has no live lease (of any kind)."""
-        busy = self.live_lease_keys()
+        """Visible queued rows of `kind` whose key has no lease (of any kind)."""
+        busy = self.leased_keys()
         return [
             r
             for r in self.rows.values()
@@ -115,12 +113,12 @@ class Model:
         ]
 
     def holds(self, job: Job, owner: str) -> bool:
-        """The fence: id, owner, the claim's attempt, state leased and a live lease."""
+        """The fence: id, owner, the claim's token, state leased and a live lease."""
         row = self.rows[job.id]
         return (
             row.state == "leased"
             and row.lease_owner == owner
-            and row.attempts == job.attempts
+            and row.claim_token == job.claim_token
             and row.lease_expires_at is not None
             and row.lease_expires_at > self.now
         )
@@ -211,7 +209,12 @@ class QueueMachine(RuleBasedStateMachine):
         eligible = self.model.claimable(kind)
         with self.tx() as conn:
             jobs = queue.claim(
-                conn, kind=kind, owner=owner, limit=limit, lease_seconds=LEASE, now=self.model.now
+                conn,
+                kinds=(kind,),
+                owner=owner,
+                limit=limit,
+                lease_seconds=LEASE,
+                now=self.model.now,
             )
         taken = {j.id for j in jobs}
         assert len(jobs) == len(taken) == min(limit, len(eligible))
@@ -227,6 +230,8 @@ class QueueMachine(RuleBasedStateMachine):
             row.lease_owner = owner
             row.lease_expires_at = self.model.now + timedelta(seconds=LEASE)
             row.heartbeat_at = self.model.now
+            assert job.claim_token not in {r.claim_token for r in self.model.rows.values()}
+            row.claim_token = job.claim_token
             assert (job.kind, job.key, job.attempts, job.max_attempts) == (
                 row.kind,
                 row.key,
@@ -244,9 +249,9 @@ class QueueMachine(RuleBasedStateMachine):
             owner = data.draw(st.sampled_from(sorted({o for o, _ in held})), label="owner")
             pool = [j for o, j in held if o == owner]
             if mode == "stale":
-                # the owner's job as an older claim of the same row would carry it: only the
-                # attempt number tells them apart
-                pool = [dataclasses.replace(j, attempts=j.attempts - 1) for j in pool]
+                # the owner's job as an older claim of the same row would carry it: same id,
+                # same owner, maybe the same attempt number; only the claim token differs
+                pool = [dataclasses.replace(j, claim_token=uuid.uuid4()) for j in pool]
         elif mode != "any":
             owner = data.draw(st.sampled_from(sorted({o for o, _ in self.handles})), label="owner")
             pool = [j for o, j in self.handles if o == owner][-4:]
@@ -258,7 +263,7 @@ class QueueMachine(RuleBasedStateMachine):
                 st.sampled_from(pool),
                 min_size=1,
                 max_size=3,
-                unique_by=lambda j: (j.id, j.attempts),
+                unique_by=lambda j: (j.id, j.claim_token),
             ),
             label="jobs",
         )
@@ -366,12 +371,12 @@ class QueueMachine(RuleBasedStateMachine):
         for row in expected:
             queued = self.model.queued(row.kind, row.key)
             row.attempts = max(row.attempts - 1, 0)  # the claim's attempt is given back
-            row.visible_at = max(until_at or now, now)
             if queued is not None:
                 self.model.finish(row, "dead_letter")
                 row.dead_reason, row.superseded_by = "superseded", queued.id
             else:
                 row.state = "queued"
+                row.visible_at = max(until_at or now, now)
                 row.release()
 
     @rule(seconds=st.sampled_from(ADVANCES))
@@ -382,7 +387,6 @@ class QueueMachine(RuleBasedStateMachine):
 
     @invariant()
     def database_equals_model_and_invariants_hold(self) -> None:
-        now = self.model.now
         with self.tx() as conn:
             rows = conn.execute(sa.text(f"SELECT {COLUMNS} FROM enrichq.queue ORDER BY id")).all()
         assert [tuple(r) for r in rows] == [
@@ -390,8 +394,8 @@ class QueueMachine(RuleBasedStateMachine):
         ]
         queued = [(r.kind, r.key) for r in rows if r.state == "queued"]
         assert len(queued) == len(set(queued)), "two queued rows for one (kind, key)"
-        live = [r.key for r in rows if r.state == "leased" and r.lease_expires_at > now]
-        assert len(live) == len(set(live)), "two live leases on one key"
+        leased = [r.key for r in rows if r.state == "leased"]
+        assert len(leased) == len(set(leased)), "two leases on one key"
         assert all(0 <= r.attempts <= r.max_attempts for r in rows)
         by_id = {r.id: tuple(r) for r in rows}
         for row_id, frozen in self.terminal.items():

@@ -8,8 +8,6 @@ rows (DESIGN §3 "Indexes") or, for lookups by id, the primary key.
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,10 +15,20 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from tests.support.pg import Databases
+from tests.support.plans import (
+    SCAN_TYPES,
+    explain,
+    indexes_used,
+    queue_scans,
+    scans_of,
+    walk,
+    work,
+)
 
 from enrichq_schema.db import create_engine
 from enrichq_schema.queries import Queries, load
 from enrichq_schema.states import OWNERLESS_PRIORITY
+from enrichq_service.queue import KEY_LOCK_SPACE
 
 QUEUE_SQL = load("enrichq_service", "sql/queue.sql")
 OBSERVE_SQL = load("enrichq_service", "sql/observe.sql")
@@ -54,17 +62,16 @@ FROM generate_series(1, 300) AS g;
 
 -- in-flight work of ten workers: some leases live, some expired
 INSERT INTO enrichq.queue (kind, key, tenant, priority, reason, state, visible_at, attempts,
-                           max_attempts, lease_owner, lease_expires_at, heartbeat_at)
+                           max_attempts, lease_owner, lease_expires_at, heartbeat_at, claim_token)
 SELECT 'enrich', 'L-' || g, NULL, 1, 'updated', 'leased', now() - interval '5 minutes', 1, 5,
-       'w-' || (g % 10), now() + make_interval(secs => (g % 4 - 1) * 60), now()
+       'w-' || (g % 10), now() + make_interval(secs => (g % 4 - 1) * 60), now(),
+       gen_random_uuid()
 FROM generate_series(1, 200) AS g;
 
 INSERT INTO enrichq.tenant_served (kind, tenant, bucket, served)
 SELECT 'enrich', t, date_trunc('hour', now()) - make_interval(hours => h), 10
 FROM unnest(ARRAY['', 'acme', 'globex', 'initech']) AS t, generate_series(0, 24) AS h;
 """
-
-SCAN_TYPES = {"Seq Scan", "Index Scan", "Index Only Scan", "Bitmap Heap Scan", "Tid Scan"}
 
 
 @dataclass(frozen=True)
@@ -75,7 +82,7 @@ class History:
     partial_indexes: frozenset[str]
     primary_key: str
     held_ids: list[int]
-    held_attempts: list[int]
+    held_tokens: list[str]
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +106,7 @@ def history(databases: Databases) -> Iterator[History]:
             ).all()
             held = conn.execute(
                 sa.text(
-                    "SELECT id, attempts FROM enrichq.queue"
+                    "SELECT id, claim_token FROM enrichq.queue"
                     " WHERE state = 'leased' AND lease_owner = :owner ORDER BY id"
                 ),
                 {"owner": OWNER},
@@ -109,107 +116,11 @@ def history(databases: Databases) -> Iterator[History]:
             partial_indexes=frozenset(r.relname for r in indexes if r.partial),
             primary_key=next(r.relname for r in indexes if r.indisprimary),
             held_ids=[r.id for r in held],
-            held_attempts=[r.attempts for r in held],
+            held_tokens=[str(r.claim_token) for r in held],
         )
     finally:
         engine.dispose()
         databases.drop(url)
-
-
-# -- walking plans
-
-
-def walk(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """Every node of a plan tree, depth first."""
-    yield node
-    for child in node.get("Plans", []):
-        yield from walk(child)
-
-
-def explain(
-    conn: sa.Connection,
-    sql: str,
-    params: dict[str, Any],
-    *,
-    analyze: bool = False,
-    generic: bool = False,
-) -> dict[str, Any]:
-    """The JSON plan of `sql` (ANALYZE runs it: roll back after).
-
-    By default the plan is made with the parameter values, as for an unprepared statement.
-    `generic=True` gives the plan a prepared statement keeps once Postgres stops planning
-    it per call (what the claim engine's sessions force, and what `auto` may choose for
-    the statements marked `prepared`): the statement is PREPAREd with `$n` parameters and
-    EXPLAINed through EXECUTE under plan_cache_mode = force_generic_plan.
-    """
-    options = "ANALYZE, BUFFERS, FORMAT JSON" if analyze else "FORMAT JSON"
-    if not generic:
-        raw = conn.execute(sa.text(f"EXPLAIN ({options}) {sql}"), params).scalar_one()
-    else:
-        names: list[str] = []
-
-        def number(match: re.Match[str]) -> str:
-            if match[1] not in names:
-                names.append(match[1])
-            return f"${names.index(match[1]) + 1}"
-
-        body = PARAMETER.sub(number, sql)
-        values = ", ".join(sql_literal(params[name]) for name in names)
-        conn.exec_driver_sql("SET LOCAL plan_cache_mode = force_generic_plan")
-        conn.exec_driver_sql(f"PREPARE generic_probe AS {body}")
-        try:
-            raw = conn.exec_driver_sql(
-                f"EXPLAIN ({options}) EXECUTE generic_probe({values})"
-            ).scalar_one()
-        finally:
-            conn.exec_driver_sql("DEALLOCATE generic_probe")
-    document = json.loads(raw) if isinstance(raw, str) else raw
-    plan: dict[str, Any] = document[0]["Plan"]
-    return plan
-
-
-PARAMETER = re.compile(r"(?<![:\w]):([a-z_][a-z0-9_]*)")
-
-
-def sql_literal(value: object) -> str:
-    """A parameter value as SQL text, for EXECUTE's arguments (test values only)."""
-    if value is None:
-        return "NULL"
-    if isinstance(value, bool | int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return "'" + value.replace("'", "''") + "'"
-    if isinstance(value, list):
-        return "ARRAY[" + ", ".join(sql_literal(v) for v in value) + "]"
-    raise TypeError(f"no literal for {value!r}")
-
-
-def queue_scans(plan: dict[str, Any]) -> list[dict[str, Any]]:
-    """The nodes that read enrichq.queue (not the ones that write it)."""
-    return [
-        n for n in walk(plan) if n["Node Type"] in SCAN_TYPES and n.get("Relation Name") == "queue"
-    ]
-
-
-def indexes_used(plan: dict[str, Any]) -> set[str]:
-    """Names of the queue's indexes a plan reads, bitmap index scans included."""
-    names = {n["Index Name"] for n in queue_scans(plan) if "Index Name" in n}
-    for heap in (n for n in queue_scans(plan) if n["Node Type"] == "Bitmap Heap Scan"):
-        names |= {n["Index Name"] for n in walk(heap) if n["Node Type"] == "Bitmap Index Scan"}
-    return names
-
-
-def work(plan: dict[str, Any], index_filter: Callable[[str], bool]) -> tuple[float, int]:
-    """Rows read (kept or filtered away, all loops) and buffers touched by the queue scans
-    through matching indexes; a sequential scan of the queue counts whatever the filter."""
-    rows, blocks = 0.0, 0
-    for node in queue_scans(plan):
-        name = node.get("Index Name")
-        if node["Node Type"] == "Seq Scan" or (name is not None and index_filter(name)):
-            per_loop = node["Actual Rows"] + node.get("Rows Removed by Filter", 0)
-            rows += per_loop * node["Actual Loops"]
-            blocks += node["Shared Hit Blocks"] + node["Shared Read Blocks"]
-    return rows, blocks
 
 
 def assert_reads_only_open_rows(
@@ -228,58 +139,53 @@ def assert_reads_only_open_rows(
 # -- the statements, with realistic parameters
 
 
-def _settle(history: History, **extra: Any) -> dict[str, Any]:
-    ids = history.held_ids
-    return {"ids": ids, "attempts": history.held_attempts, "owner": OWNER, "now": None} | {
-        k: v if not callable(v) else v(len(ids)) for k, v in extra.items()
+def _held(history: History, **extra: Any) -> dict[str, Any]:
+    return {"ids": history.held_ids, "tokens": history.held_tokens, "owner": OWNER, "now": None}
+
+
+SETTLE_ACTIONS = ("complete", "retry", "fail", "defer")
+
+
+def _settle(history: History) -> dict[str, Any]:
+    """Every action at once, as a worker's settle group has them."""
+    n = len(history.held_ids)
+    return _held(history) | {
+        "actions": [SETTLE_ACTIONS[i % 4] for i in range(n)],
+        "errors": ["timeout"] * n,
+        "untils": [None] * n,
+        "backoff_base": 5.0,
+        "backoff_cap": 300.0,
     }
 
+
+CLAIM_PARAMS = {
+    "kinds": ["enrich", "refresh"],
+    "owner": OWNER,
+    "limit": BATCH,
+    "lease_seconds": 60.0,
+    "aging_seconds": 600.0,
+    "middle_priority": OWNERLESS_PRIORITY,
+    "key_lock_space": KEY_LOCK_SPACE,
+    "now": None,
+}
 
 STATEMENTS: dict[str, tuple[Queries, str, Callable[[History], dict[str, Any]], set[str], bool]] = {
     # name: (file, query, params, indexes that must appear, lookups by id allowed)
     "claim": (
         QUEUE_SQL,
         "queue_claim_batch",
-        lambda h: {
-            "kind": "enrich",
-            "owner": OWNER,
-            "limit": BATCH,
-            "lease_seconds": 60.0,
-            "middle_priority": OWNERLESS_PRIORITY,
-            "now": None,
-        },
+        lambda h: dict(CLAIM_PARAMS),
         {"queue_claim_idx"},
         True,
     ),
     "heartbeat": (
         QUEUE_SQL,
         "queue_heartbeat",
-        lambda h: _settle(h, lease_seconds=60.0),
+        lambda h: _held(h) | {"lease_seconds": 60.0},
         set(),
         True,
     ),
-    "complete": (QUEUE_SQL, "queue_complete", _settle, set(), True),
-    "fail": (
-        QUEUE_SQL,
-        "queue_fail",
-        lambda h: _settle(h, errors=lambda n: ["bad payload"] * n),
-        set(),
-        True,
-    ),
-    "retry": (
-        QUEUE_SQL,
-        "queue_retry",
-        lambda h: _settle(h, errors=lambda n: ["timeout"] * n, backoff_base=5.0, backoff_cap=300.0),
-        {"queue_queued_key_uq"},
-        True,
-    ),
-    "defer": (
-        QUEUE_SQL,
-        "queue_defer",
-        lambda h: _settle(h, untils=lambda n: [None] * n),
-        {"queue_queued_key_uq"},
-        True,
-    ),
+    "settle": (QUEUE_SQL, "queue_settle", _settle, {"queue_queued_key_uq"}, True),
     "enqueue_merge": (
         QUEUE_SQL,
         "queue_enqueue",
@@ -290,7 +196,6 @@ STATEMENTS: dict[str, tuple[Queries, str, Callable[[History], dict[str, Any]], s
             "reasons": ["updated"] * 20,
             "payloads": ["{}"] * 20,
             "delays": [120.0] * 20,
-            "priorities": [None] * 20,
             "max_attempts": [5] * 20,
             "middle_priority": OWNERLESS_PRIORITY,
             "now": None,
@@ -318,7 +223,7 @@ STATEMENTS: dict[str, tuple[Queries, str, Callable[[History], dict[str, Any]], s
         OBSERVE_SQL,
         "observe_dead_letters_by_reason",
         lambda h: {},
-        {"queue_dead_reason_idx"},
+        {"queue_dead_finished_idx"},  # index-only: it carries the dead reason
         False,
     ),
 }
@@ -348,7 +253,7 @@ PREPARED = sorted(name for name, entry in STATEMENTS.items() if entry[0][entry[1
 
 
 def test_the_prepared_statements_are_the_claim_loops() -> None:
-    assert PREPARED == ["claim", "complete", "heartbeat"]
+    assert PREPARED == ["claim", "heartbeat", "settle"]
 
 
 @pytest.mark.parametrize("statement", PREPARED)
@@ -392,7 +297,8 @@ def test_open_counts_read_only_the_open_row_indexes(history: History) -> None:
     assert used, "counts open rows without an index"
     assert all(history.partial_indexes.__contains__(name) for name in used)
     assert "queue_dead_reason_idx" not in used
-    assert "queue_terminal_finished_idx" not in used
+    assert "queue_finished_idx" not in used
+    assert "queue_dead_finished_idx" not in used
 
 
 # -- claim work is bounded by the batch, not by the backlog or the in-flight leases
@@ -463,6 +369,73 @@ def test_the_generic_probe_plans_without_the_values(history: History) -> None:
     with history.engine.connect() as conn, conn.begin():
         generic = explain(conn, QUEUE_SQL[name].sql, params(history), generic=True)
         custom = explain(conn, QUEUE_SQL[name].sql, params(history))
-    conditions = [n.get("Index Cond", "") for n in queue_scans(generic)]
-    assert any("$1" in c for c in conditions), conditions
-    assert not any("$1" in n.get("Index Cond", "") for n in queue_scans(custom))
+
+    # the kinds reach the plan as a parameter: the generic plan cannot know there are two
+    def kinds_estimate(plan: dict[str, Any]) -> list[float]:
+        return [n["Plan Rows"] for n in walk(plan) if n.get("Function Name") == "unnest"]
+
+    assert kinds_estimate(custom) == [2]
+    assert kinds_estimate(generic)
+    assert kinds_estimate(generic) != [2]
+
+
+# -- the claim's cost follows the tenants with visible work, not every tenant with history
+
+HISTORY_TENANTS = (
+    "INSERT INTO enrichq.tenant_served (kind, tenant, bucket, served)"
+    " SELECT 'enrich', 'hist-' || t, date_trunc('hour', now()) - make_interval(hours => h), 3"
+    " FROM generate_series(1, :tenants) AS t, generate_series(0, 47) AS h"
+)
+
+
+@PLANS
+def test_claim_reads_the_served_counts_of_the_tenants_with_work_only(
+    history: History, generic: bool
+) -> None:
+    """5,000 tenants served over the last 48 hours, 4 (kind, tenant) pairs with visible
+    work: the claim reads at most the 25 hourly buckets of each pair with work."""
+    with history.engine.connect() as conn, conn.begin() as tx:
+        conn.execute(sa.text(HISTORY_TENANTS), {"tenants": 5000})
+        conn.execute(sa.text("ANALYZE enrichq.tenant_served"))
+        plan = _claim_plan(conn, generic)
+        tx.rollback()
+    served = scans_of(plan, "tenant_served")
+    assert served, "the claim no longer reads the served counts"
+    assert all(n["Node Type"] != "Seq Scan" for n in served), served
+    pairs_with_work = 8  # enrich and refresh, times acme, globex, initech, ownerless
+    rows, _ = work(plan, lambda name: True, relation="tenant_served")
+    assert rows <= 25 * pairs_with_work, f"read {rows:.0f} served buckets"
+
+
+# -- what a scrape reads: open rows through their indexes, terminal rows from the counts
+
+
+def scrape_statements(history: History) -> list[tuple[str, dict[str, Any]]]:
+    """The statements one read of the /metrics database gauges runs, with their parameters."""
+    from enrichq_service.observe import read_snapshot
+
+    seen: list[tuple[str, dict[str, Any]]] = []
+
+    def record(conn: Any, cursor: Any, statement: str, parameters: Any, *args: Any) -> None:
+        seen.append((statement, dict(parameters or {})))
+
+    with history.engine.connect() as conn:
+        sa.event.listen(conn, "before_cursor_execute", record)
+        read_snapshot(conn)
+        sa.event.remove(conn, "before_cursor_execute", record)
+    return seen
+
+
+def test_a_scrape_never_reads_the_history(history: History) -> None:
+    statements = scrape_statements(history)
+    assert len(statements) >= 6
+    terminal = {"queue_finished_idx", "queue_dead_finished_idx", "queue_dead_reason_idx"}
+    with history.engine.connect() as conn:
+        for statement, parameters in statements:
+            [document] = conn.exec_driver_sql(
+                "EXPLAIN (FORMAT JSON) " + statement, parameters
+            ).scalars()
+            plan = document[0]["Plan"]
+            scans = queue_scans(plan)
+            assert all(n["Node Type"] != "Seq Scan" for n in scans), statement
+            assert not indexes_used(plan) & terminal, statement

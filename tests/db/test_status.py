@@ -20,7 +20,7 @@ def test_status_counts_by_kind_and_state(db_url: str, db_engine: sa.Engine) -> N
         queue.enqueue(conn, [EnqueueRequest.build(key=f"T-{i}") for i in range(4)], settings=cfg)
         queue.enqueue(conn, [EnqueueRequest.build(key="R-1", kind="refresh")], settings=cfg)
     with db_engine.begin() as conn:
-        a, b, _c = queue.claim(conn, kind="enrich", owner="w", limit=3, lease_seconds=60)
+        a, b, _c = queue.claim(conn, kinds=("enrich",), owner="w", limit=3, lease_seconds=60)
         queue.complete(conn, owner="w", jobs=[a])
         queue.retry(
             conn, owner="w", failures=[(b, "x")], backoff_base_seconds=0, backoff_cap_seconds=0

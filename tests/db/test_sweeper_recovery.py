@@ -12,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 from tests.conftest import make_settings
 
-from enrichq_schema.tables import queue
+from enrichq_schema.tables import LEASED_KEY_INDEX, queue
 from enrichq_sweeper import passes, recovery
 from enrichq_sweeper.common import sql as sweeper_sql
 from enrichq_sweeper.errors import HookError
@@ -76,60 +76,54 @@ def recover_all(conn: sa.Connection, batch_size: int = 100) -> recovery.BatchOut
 # -- per-key decisions (in one rolled-back transaction)
 
 
-def test_two_expired_leases_of_one_ticket_newer_queued_older_superseded(
-    conn: sa.Connection,
-) -> None:
-    older = put(conn, "T-1")
-    newer = put(conn, "T-1")
+def test_an_expired_lease_goes_back_to_the_queue_visible_now(conn: sa.Connection) -> None:
+    expired = put(conn, "T-1")
     outcome = recover_all(conn)
-    assert outcome.promoted == (newer,)
-    assert outcome.superseded == ((older, newer),)
-    new, old = get(conn, newer), get(conn, older)
-    assert (new.state, new.visible_at, new.lease_owner, new.lease_expires_at) == (
+    assert (outcome.promoted, outcome.superseded, outcome.exhausted) == ((expired,), (), ())
+    row = get(conn, expired)
+    assert (row.state, row.visible_at, row.lease_owner, row.lease_expires_at) == (
         "queued",
         T0,
         None,
         None,
     )
-    assert (new.finished_at, new.dead_reason, new.last_error) == (None, None, "lease expired")
-    assert (old.state, old.dead_reason, old.superseded_by) == ("dead_letter", "superseded", newer)
-    assert old.finished_at == T0
-    assert old.lease_owner is None
+    assert (row.finished_at, row.dead_reason, row.last_error) == (None, None, "lease expired")
 
 
-def test_three_expired_leases_newest_wins_whatever_the_scan_page(conn: sa.Connection) -> None:
-    ids = [put(conn, "T-1"), put(conn, "T-2"), put(conn, "T-1"), put(conn, "T-1")]
-    # A page of one row sees only the oldest T-1 row; the write still takes the whole key.
-    page = recovery.scan(conn, after_id=0, batch_size=1, now=T0)
-    assert [e.id for e in page] == [ids[0]]
-    outcome = recovery.recover_batch(conn, page, now=T0)
-    assert outcome.promoted == (ids[3],)
-    assert sorted(outcome.superseded) == [(ids[0], ids[3]), (ids[2], ids[3])]
-    assert get(conn, ids[1]).state == "leased"
+def test_a_ticket_never_holds_two_leases_for_the_sweeper_to_choose_between(
+    conn: sa.Connection,
+) -> None:
+    """The newest-expired-row-per-ticket rule has nothing left to choose: the database
+    refuses a second lease of a key, whatever its kind."""
+    put(conn, "T-1")
+    with pytest.raises(sa.exc.IntegrityError, match=LEASED_KEY_INDEX), conn.begin_nested():
+        put(conn, "T-1", kind="refresh")
 
 
 def test_expired_lease_of_a_ticket_already_queued_is_superseded_by_that_row(
     conn: sa.Connection,
 ) -> None:
-    expired_a = put(conn, "T-1")
+    expired = put(conn, "T-1")
     queued = put(conn, "T-1", state="queued", attempts=0)
-    expired_b = put(conn, "T-1")
     outcome = recover_all(conn)
     assert outcome.promoted == ()
-    assert sorted(outcome.superseded) == [(expired_a, queued), (expired_b, queued)]
+    assert outcome.superseded == ((expired, queued),)
     assert get(conn, queued).state == "queued"
-    for row_id in (expired_a, expired_b):
-        row = get(conn, row_id)
-        assert (row.state, row.dead_reason, row.superseded_by) == (
-            "dead_letter",
-            "superseded",
-            queued,
-        )
+    row = get(conn, expired)
+    assert (row.state, row.dead_reason, row.superseded_by, row.finished_at) == (
+        "dead_letter",
+        "superseded",
+        queued,
+        T0,
+    )
+    assert row.lease_owner is None
 
 
-def test_keys_are_per_kind(conn: sa.Connection) -> None:
+def test_a_queued_row_of_another_kind_does_not_supersede(conn: sa.Connection) -> None:
+    """Queued rows merge per (kind, key): an enrich lease goes back beside a queued refresh."""
     enrich = put(conn, "T-1", kind="enrich")
-    refresh = put(conn, "T-1", kind="refresh")
+    put(conn, "T-1", kind="refresh", state="queued", attempts=0)
+    refresh = put(conn, "T-2", kind="refresh")
     outcome = recover_all(conn)
     assert sorted(outcome.promoted) == sorted([enrich, refresh])
     assert outcome.promoted_kinds == {"enrich", "refresh"}
@@ -138,30 +132,26 @@ def test_keys_are_per_kind(conn: sa.Connection) -> None:
 def test_live_leases_and_other_states_are_not_touched(conn: sa.Connection) -> None:
     live = put(conn, "T-1", expires=LIVE)
     done = put(conn, "T-2", state="done")
-    expired = put(conn, "T-1")
+    expired = put(conn, "T-3")
     outcome = recover_all(conn)
-    # the key's live lease neither wins nor is superseded: only expired rows are recovered
     assert outcome.promoted == (expired,)
     assert get(conn, live).state == "leased"
     assert get(conn, done).state == "done"
 
 
-def test_spent_row_is_dead_lettered_and_the_newest_other_row_promoted(
-    conn: sa.Connection,
-) -> None:
+def test_spent_row_is_dead_lettered_whatever_is_queued(conn: sa.Connection) -> None:
     spent = put(conn, "T-1", attempts=5, max_attempts=5)
-    older = put(conn, "T-1", attempts=2)
-    newest_spent = put(conn, "T-1", attempts=3, max_attempts=3)
+    put(conn, "T-1", state="queued", attempts=0)
+    other = put(conn, "T-2", attempts=2)
     outcome = recover_all(conn)
-    assert outcome.promoted == (older,)
-    assert sorted(g.id for g in outcome.exhausted) == [spent, newest_spent]
-    for row_id in (spent, newest_spent):
-        row = get(conn, row_id)
-        assert (row.state, row.dead_reason, row.superseded_by) == (
-            "dead_letter",
-            "attempts_exhausted",
-            None,
-        )
+    assert outcome.promoted == (other,)
+    assert [g.id for g in outcome.exhausted] == [spent]
+    row = get(conn, spent)
+    assert (row.state, row.dead_reason, row.superseded_by) == (
+        "dead_letter",
+        "attempts_exhausted",
+        None,
+    )
 
 
 def test_a_row_completed_between_scan_and_write_is_untouched(db_engine: sa.Engine) -> None:
@@ -238,7 +228,8 @@ def test_pass_writes_one_run_row_with_counts(db_engine: sa.Engine, db_url: str) 
     settings = make_settings(db_url)
     with db_engine.begin() as conn:
         put(conn, "T-1")
-        put(conn, "T-1")
+        put(conn, "T-2")
+        put(conn, "T-2", state="queued", attempts=0)
     report = passes.recovery_pass(db_engine, settings, now=T0, owner="host-a:1")
     with db_engine.connect() as conn:
         [run] = conn.execute(sa.text("SELECT * FROM enrichq.runs")).all()
@@ -264,62 +255,61 @@ def test_unknown_hook_path_is_a_one_line_error() -> None:
 
 
 @pytest.mark.slow
-def test_100k_expired_leases_over_30k_keys_recovered_in_bounded_batches(
-    db_engine: sa.Engine,
-) -> None:
-    rows, keys, batch = 100_000, 30_000, 1000
+def test_100k_expired_leases_recovered_in_bounded_batches(db_engine: sa.Engine) -> None:
+    rows, batch = 100_000, 1000
+    params = {"rows": rows, "expired": EXPIRED}
     with db_engine.begin() as conn:
-        # row i belongs to key i % 30000; every 97th row has spent its attempts
+        # every 97th row has spent its attempts; every 10th key has a queued row already
         conn.execute(
             sa.text(
                 """
                 INSERT INTO enrichq.queue (kind, key, reason, state, attempts, max_attempts,
                                            lease_owner, lease_expires_at, visible_at)
-                SELECT 'enrich', 'T-' || (i % :keys), 'created', 'leased',
+                SELECT 'enrich', 'T-' || i, 'created', 'leased',
                        CASE WHEN i % 97 = 0 THEN 5 ELSE 1 END, 5, 'w-old',
                        CAST(:expired AS timestamptz), CAST(:expired AS timestamptz)
                 FROM generate_series(1, :rows) AS i
                 """
             ),
-            {"keys": keys, "rows": rows, "expired": EXPIRED},
+            params,
         )
-        ids = conn.execute(sa.text("SELECT min(id) FROM enrichq.queue")).scalar_one()
-    first_id = int(ids)
-
-    # the expected outcome, computed from the generator's formula
-    newest: dict[str, int] = {}
-    exhausted = 0
-    for i in range(1, rows + 1):
-        if i % 97 == 0:
-            exhausted += 1
-            continue
-        newest[f"T-{i % keys}"] = first_id + i - 1
+        conn.execute(
+            sa.text(
+                """
+                INSERT INTO enrichq.queue (kind, key, reason, state, attempts, max_attempts,
+                                           visible_at)
+                SELECT 'enrich', 'T-' || i, 'updated', 'queued', 0, 5, CAST(:expired AS timestamptz)
+                FROM generate_series(10, :rows, 10) AS i
+                """
+            ),
+            params,
+        )
+    exhausted = sum(1 for i in range(1, rows + 1) if i % 97 == 0)
+    superseded = sum(1 for i in range(1, rows + 1) if i % 97 and i % 10 == 0)
 
     result = recovery.run_once(db_engine, batch_size=batch, now=T0, gave_up_hook=None)
     assert result.exhausted == exhausted
-    assert result.promoted == len(newest) == keys
-    assert result.superseded == rows - keys - exhausted
-    assert result.promoted + result.superseded + result.exhausted == rows
-    assert result.batches >= keys // batch
-    # a batch changes at most `batch` keys' rows: here 4 rows per key at most
-    assert 0 < result.max_batch_rows <= batch * 4
+    assert result.superseded == superseded
+    assert result.promoted == rows - exhausted - superseded
+    assert result.batches == rows // batch
+    assert 0 < result.max_batch_rows <= batch
 
     with db_engine.connect() as conn:
         by_state: dict[str, int] = dict(
             conn.execute(sa.text("SELECT state, count(*) FROM enrichq.queue GROUP BY state")).all()
         )
-        assert by_state == {"queued": keys, "dead_letter": rows - keys}
-        queued: dict[str, int] = dict(
-            conn.execute(sa.text("SELECT key, id FROM enrichq.queue WHERE state = 'queued'")).all()
-        )
-        assert queued == newest
+        already_queued = rows // 10
+        assert by_state == {
+            "queued": result.promoted + already_queued,
+            "dead_letter": exhausted + superseded,
+        }
         wrong = conn.execute(
             sa.text(
                 """
                 SELECT count(*) FROM enrichq.queue AS d
                 LEFT JOIN enrichq.queue AS w ON w.id = d.superseded_by
                 WHERE d.state = 'dead_letter' AND d.dead_reason = 'superseded'
-                  AND (w.state IS DISTINCT FROM 'queued' OR w.key <> d.key OR w.id < d.id)
+                  AND (w.state IS DISTINCT FROM 'queued' OR w.key <> d.key)
                 """
             )
         ).scalar_one()
@@ -352,10 +342,11 @@ def node_types(plan: object) -> set[str]:
     return set()
 
 
-def test_the_batch_write_reaches_rows_through_the_partial_key_indexes(
+def test_the_batch_write_reaches_rows_by_id_and_the_queued_key_index(
     db_engine: sa.Engine,
 ) -> None:
-    """Its text implies the leased and queued indexes' predicates, so it never scans the table.
+    """It finds the page's rows by id and their keys' queued rows through the queued-key
+    index (its text implies that index's predicate), so it never scans the table.
 
     Its own database: ANALYZE writes pg_class in place, which a rollback does not undo.
     """
@@ -375,9 +366,15 @@ def test_the_batch_write_reaches_rows_through_the_partial_key_indexes(
         conn.execute(sa.text("SET LOCAL enable_seqscan = off"))
         plan = conn.execute(
             sa.text("EXPLAIN (FORMAT JSON) " + sweeper_sql()["recovery_recover_batch"].sql),
-            {"kinds": ["enrich"], "keys": ["K-1"], "now": T0},
+            {
+                "ids": [1, 2],
+                "kinds": ["enrich"],
+                "keys": ["K-1", "K-2"],
+                "lease_expired": "x",
+                "now": T0,
+            },
         ).scalar_one()
     indexes = index_names(plan)
-    assert "queue_leased_key_idx" in indexes, indexes
+    assert "queue_pkey" in indexes, indexes
     assert indexes & {"queue_queued_key_uq", "queue_claim_idx"}, indexes
     assert "Seq Scan" not in node_types(plan)

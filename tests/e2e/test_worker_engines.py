@@ -58,14 +58,14 @@ def test_claims_run_prepared_on_their_generic_plan(engines: WorkerEngines) -> No
     with engines.claims.connect() as conn:
         for _ in range(3):
             with conn.begin():
-                jobs = queue.claim(conn, kind="enrich", owner="w", limit=10, lease_seconds=30)
+                jobs = queue.claim(conn, kinds=("enrich",), owner="w", limit=10, lease_seconds=30)
             assert len(jobs) == 10
         # an unmarked statement, however often it runs, is never prepared
         for _ in range(10):
             conn.execute(sa.text("SELECT count(*) FROM enrichq.queue WHERE key = :k"), {"k": "x"})
         statements = prepared_statements(conn)
         conn.rollback()
-    assert statements == {"WITH RECURSIVE tenant_walk(tenant)": (3, 0)}
+    assert statements == {"WITH RECURSIVE walk(kind,": (3, 0)}
 
 
 def test_a_kept_connection_is_replaced_after_its_backend_dies(engines: WorkerEngines) -> None:

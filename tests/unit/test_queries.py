@@ -50,4 +50,4 @@ def test_a_misspelt_header_is_an_error_not_a_comment() -> None:
 def test_only_the_claim_loop_statements_are_prepared() -> None:
     queue_sql = load("enrichq_service", "sql/queue.sql")
     prepared = {name for name, query in queue_sql.items() if query.prepared}
-    assert prepared == {"queue_claim_batch", "queue_heartbeat", "queue_complete"}
+    assert prepared == {"queue_claim_batch", "queue_heartbeat", "queue_settle"}

@@ -20,35 +20,43 @@ WHERE lower(c.email) = lower(:email)
 ORDER BY o.placed_at DESC, o.order_id;
 
 
+-- name: enrich_upsert_enrichments
+-- One row per enriched ticket, also for an empty result: when and from which queue row.
+-- It runs first, with the tickets in byte order: its row lock (or its wait on an insert of
+-- the same ticket not committed yet) serializes the result writes of one ticket, so the
+-- delete that follows sees every order an earlier write committed, and the later write
+-- replaces the earlier one whole. Two writers of overlapping tickets lock them in the same
+-- order and never deadlock.
+INSERT INTO enrichq.ticket_enrichments AS e (ticket_id, enriched_at, order_count, queue_id)
+SELECT u.ticket_id, coalesce(u.enriched_at, now()), u.order_count, u.queue_id
+FROM unnest(
+    CAST(:tickets AS text[]), CAST(:enriched_ats AS timestamptz[]),
+    CAST(:order_counts AS int[]), CAST(:queue_ids AS bigint[])
+) AS u (ticket_id, enriched_at, order_count, queue_id)
+ORDER BY u.ticket_id COLLATE "C"
+ON CONFLICT (ticket_id) DO UPDATE
+SET enriched_at = excluded.enriched_at, order_count = excluded.order_count,
+    queue_id = excluded.queue_id;
+
+
 -- name: enrich_delete_ticket_orders
 -- Drop the previous result of these tickets: a new lookup replaces it whole.
 DELETE FROM enrichq.ticket_orders WHERE ticket_id = ANY(CAST(:tickets AS text[]));
 
 
 -- name: enrich_insert_ticket_orders
--- The orders found for the tickets whose settle won, one row per (ticket, order).
+-- The orders found for the tickets whose settle won, one row per (ticket, order); an order
+-- listed twice in one result is written once.
 INSERT INTO enrichq.ticket_orders
     (ticket_id, order_id, customer_id, placed_at, total, looked_up_at, queue_id)
-SELECT *
+SELECT u.ticket_id, u.order_id, u.customer_id, u.placed_at, u.total,
+       coalesce(u.looked_up_at, now()), u.queue_id
 FROM unnest(
     CAST(:tickets AS text[]), CAST(:order_ids AS text[]), CAST(:customer_ids AS text[]),
     CAST(:placed_ats AS timestamptz[]), CAST(:totals AS numeric[]),
     CAST(:looked_up_ats AS timestamptz[]), CAST(:queue_ids AS bigint[])
-)
+) AS u (ticket_id, order_id, customer_id, placed_at, total, looked_up_at, queue_id)
 ON CONFLICT (ticket_id, order_id) DO NOTHING;
-
-
--- name: enrich_upsert_enrichments
--- One row per enriched ticket, also for an empty result: when and from which queue row.
-INSERT INTO enrichq.ticket_enrichments AS e (ticket_id, enriched_at, order_count, queue_id)
-SELECT *
-FROM unnest(
-    CAST(:tickets AS text[]), CAST(:enriched_ats AS timestamptz[]),
-    CAST(:order_counts AS int[]), CAST(:queue_ids AS bigint[])
-)
-ON CONFLICT (ticket_id) DO UPDATE
-SET enriched_at = excluded.enriched_at, order_count = excluded.order_count,
-    queue_id = excluded.queue_id;
 
 
 -- name: enrich_insert_lookup_log

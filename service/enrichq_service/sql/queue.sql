@@ -1,11 +1,16 @@
 -- Queue transitions of DESIGN §3. Every statement takes :now (NULL = the database clock).
--- Every write after a claim is fenced on id, owner, the claim's attempt number,
--- state = 'leased' and a live lease, and returns only the rows that won.
--- Batched statements lock their rows in id order first, so two batches (a worker's
--- heartbeat and its settle, or a settle and the sweeper) can wait but never deadlock.
--- The fence is checked there, under the lock, on the newest version of each row (READ
--- COMMITTED re-checks a row that changed while the lock was awaited); no one else can
--- change a locked row, so the UPDATE that follows joins on the id alone.
+--
+-- The fence: every write after a claim matches the row's id, its lease owner, the claim
+-- token that claim made (new at every claim of the row's whole life), state = 'leased' and
+-- a live lease, and returns only the rows that won.
+--
+-- The lock order: every statement that locks several queue rows locks them in one global
+-- order, (key, kind, id) in byte order (COLLATE "C"), and a statement that puts rows in the
+-- queue does so in that order too, so writers wait for each other but never deadlock. The
+-- claim never waits at all: it skips locked rows (SKIP LOCKED) and keys another claim is
+-- taking (a try-lock per key). The fence is checked under the lock, on the newest version
+-- of each row (READ COMMITTED re-checks a row that changed while its lock was awaited); no
+-- one else can change a locked row, so the UPDATE that follows joins on the id alone.
 
 
 -- name: queue_enqueue
@@ -17,21 +22,22 @@ WITH input AS (
     FROM unnest(
         CAST(:kinds AS text[]), CAST(:keys AS text[]), CAST(:tenants AS text[]),
         CAST(:reasons AS text[]), CAST(:payloads AS jsonb[]), CAST(:delays AS float8[]),
-        CAST(:priorities AS int[]), CAST(:max_attempts AS int[])
-    ) WITH ORDINALITY AS i(kind, key, tenant, reason, payload, delay_s, priority,
-                           max_attempts, ord)
+        CAST(:max_attempts AS int[])
+    ) WITH ORDINALITY AS i(kind, key, tenant, reason, payload, delay_s, max_attempts, ord)
 ),
--- the plan of each tenant sets its priority; ownerless or unknown tenants are the middle plan
+-- in the global lock order, so two batches of the same keys wait for each other's inserts
+-- in one order and never deadlock; the row records its tenant's plan priority at enqueue
+-- (ownerless or unknown tenants: the middle plan), the claim reads the plan when it claims
 inserted AS (
     INSERT INTO enrichq.queue AS q
         (kind, key, tenant, priority, reason, payload, visible_at, max_attempts)
-    SELECT i.kind, i.key, i.tenant, coalesce(i.priority, t.priority, :middle_priority),
+    SELECT i.kind, i.key, i.tenant, coalesce(t.priority, :middle_priority),
            i.reason, i.payload,
            coalesce(CAST(:now AS timestamptz), now()) + make_interval(secs => i.delay_s),
            i.max_attempts
     FROM input AS i
     LEFT JOIN enrichq.tenants AS t ON t.tenant = i.tenant
-    ORDER BY i.ord
+    ORDER BY i.key COLLATE "C", i.kind COLLATE "C", i.ord
     ON CONFLICT DO NOTHING
     RETURNING q.id, q.kind, q.key, q.visible_at
 ),
@@ -56,111 +62,139 @@ ORDER BY i.ord;
 
 
 -- name: queue_claim_batch prepared
--- Leases up to :limit visible rows of :kind to :owner and returns them. Order: the tenant's
--- plan priority, then the tenant served least of this kind in the last day (claims count as
--- served, so in-flight work counts), then oldest visible first. Never a key with a live lease.
-WITH RECURSIVE tenant_walk(tenant) AS (
-    -- loose index scan on queue_claim_idx: each tenant with queued rows of this kind,
-    -- O(tenants · log n) whatever the size of the backlog or the history
-    (SELECT coalesce(q.tenant, '') FROM enrichq.queue AS q
-     WHERE q.state = 'queued' AND q.kind = :kind
-     ORDER BY coalesce(q.tenant, '') LIMIT 1)
+-- Leases up to :limit visible rows of the kinds :kinds to :owner and returns them, each
+-- with the claim token that fences its later writes. Order (DESIGN §3, fairness), across
+-- kinds: the tenant's plan priority (ownerless work counts as the middle plan, whatever
+-- its kind) plus one level per :aging_seconds its oldest visible row has waited; then the
+-- (kind, tenant) served least in the last day (claims count as served, so in-flight work
+-- counts); then oldest visible first. Never a key that has a lease, of any kind: committed
+-- (the leased-key probe), being claimed by another transaction right now (the key's
+-- try-lock), or committed after this statement's snapshot (the leased-key index refuses
+-- the second lease: the caller claims again). Attempts + 1 at claim time.
+WITH RECURSIVE walk(kind, tenant) AS (
+    -- loose index scans on queue_claim_idx: each (kind, tenant) with queued rows,
+    -- O(kinds · tenants · log n) whatever the size of the backlog or the history
+    SELECT k.kind,
+           (SELECT coalesce(q.tenant, '') FROM enrichq.queue AS q
+            WHERE q.state = 'queued' AND q.kind = k.kind
+            ORDER BY coalesce(q.tenant, '') LIMIT 1)
+    FROM unnest(CAST(:kinds AS text[])) AS k (kind)
     UNION ALL
-    SELECT (SELECT coalesce(q.tenant, '') FROM enrichq.queue AS q
-            WHERE q.state = 'queued' AND q.kind = :kind
+    SELECT w.kind,
+           (SELECT coalesce(q.tenant, '') FROM enrichq.queue AS q
+            WHERE q.state = 'queued' AND q.kind = w.kind
               AND coalesce(q.tenant, '') > w.tenant
             ORDER BY coalesce(q.tenant, '') LIMIT 1)
-    FROM tenant_walk AS w
+    FROM walk AS w
     WHERE w.tenant IS NOT NULL
 ),
--- claims per tenant in the last day: at most 25 hourly buckets per tenant
-served AS (
-    SELECT s.tenant, sum(s.served) AS served
-    FROM enrichq.tenant_served AS s
-    WHERE s.kind = :kind AND s.bucket > coalesce(CAST(:now AS timestamptz), now()) - interval '1 day'
-    GROUP BY s.tenant
+clock AS (
+    SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
 ),
--- tenants with visible work, in claim order; the nested loop below visits them in this
--- order and stops as soon as the batch is full
+-- the (kind, tenant) pairs with visible work, in claim order; the nested loop below visits
+-- them in this order and stops as soon as the batch is full. Each pair reads its own
+-- served counts (at most 25 hourly buckets): the claim's cost follows the tenants with
+-- visible work, never every tenant with history.
 ranked AS MATERIALIZED (
-    SELECT w.tenant, v.priority, v.served, v.oldest
-    FROM tenant_walk AS w
-    LEFT JOIN enrichq.tenants AS t ON t.tenant = w.tenant
-    LEFT JOIN served AS s ON s.tenant = w.tenant
+    SELECT row_number() OVER (ORDER BY v.level DESC, s.served, v.oldest, w.kind, w.tenant)
+               AS place,
+           w.kind, w.tenant
+    FROM walk AS w
+    CROSS JOIN clock
     CROSS JOIN LATERAL (
-        SELECT CASE WHEN w.tenant = '' THEN :middle_priority
-                    ELSE coalesce(t.priority, :middle_priority) END AS priority,
-               coalesce(s.served, 0) AS served,
-               (SELECT q.visible_at FROM enrichq.queue AS q
-                WHERE q.state = 'queued' AND q.kind = :kind
-                  AND coalesce(q.tenant, '') = w.tenant AND q.visible_at <= coalesce(CAST(:now AS timestamptz), now())
-                ORDER BY q.visible_at LIMIT 1) AS oldest
+        SELECT o.oldest,
+               coalesce((SELECT t.priority FROM enrichq.tenants AS t
+                         WHERE t.tenant = w.tenant AND w.tenant <> ''), :middle_priority)
+               + floor(CAST(extract(epoch FROM clock.now - o.oldest) AS float8)
+                       / CAST(:aging_seconds AS float8)) AS level
+        FROM (SELECT q.visible_at AS oldest FROM enrichq.queue AS q
+              WHERE q.state = 'queued' AND q.kind = w.kind
+                AND coalesce(q.tenant, '') = w.tenant AND q.visible_at <= clock.now
+              ORDER BY q.visible_at LIMIT 1) AS o
     ) AS v
-    WHERE w.tenant IS NOT NULL AND v.oldest IS NOT NULL
-    ORDER BY v.priority DESC, v.served, v.oldest, w.tenant
+    CROSS JOIN LATERAL (
+        SELECT coalesce(sum(b.served), 0) AS served
+        FROM enrichq.tenant_served AS b
+        WHERE b.kind = w.kind AND b.tenant = w.tenant
+          AND b.bucket > clock.now - interval '1 day'
+    ) AS s
+    WHERE w.tenant IS NOT NULL
+    ORDER BY place
 ),
 picked AS (
-    SELECT c.id
+    SELECT r.place, c.id, c.key, c.visible_at
     FROM ranked AS r
+    CROSS JOIN clock
     CROSS JOIN LATERAL (
-        SELECT q.id
+        SELECT q.id, q.key, q.visible_at
         FROM enrichq.queue AS q
-        WHERE q.state = 'queued' AND q.kind = :kind
+        WHERE q.state = 'queued' AND q.kind = r.kind
           AND coalesce(q.tenant, '') = r.tenant
-          AND q.visible_at <= coalesce(CAST(:now AS timestamptz), now())
-          -- one index probe per candidate: OFFSET 0 stops the planner from turning this
-          -- into an anti join that reads every lease and then sorts the whole backlog
-          AND NOT EXISTS (
-              SELECT 1 FROM enrichq.queue AS l
-              WHERE l.state = 'leased' AND l.key = q.key
-                AND l.lease_expires_at > coalesce(CAST(:now AS timestamptz), now())
-              OFFSET 0
-          )
+          AND q.visible_at <= clock.now
+          -- first one probe of the leased-key index (OFFSET 0 keeps it a probe: flattened
+          -- into an anti join, the planner reads every lease and sorts the whole backlog),
+          -- then the key's try-lock, which the claims of this key not committed yet hold;
+          -- CASE makes the order certain
+          AND CASE WHEN NOT EXISTS (
+                       SELECT 1 FROM enrichq.queue AS l
+                       WHERE l.state = 'leased' AND l.key = q.key
+                       OFFSET 0)
+                   THEN pg_try_advisory_xact_lock(CAST(:key_lock_space AS int), hashtext(q.key))
+                   ELSE false END
         ORDER BY q.visible_at
         LIMIT :limit
         FOR UPDATE OF q SKIP LOCKED
     ) AS c
     LIMIT :limit
 ),
+-- one row per key: this transaction's own try-lock on a key succeeds again, so a ticket
+-- with visible work of two kinds is taken once, by the kind that comes first in claim order
+chosen AS (
+    SELECT DISTINCT ON (p.key) p.id
+    FROM picked AS p
+    ORDER BY p.key, p.place, p.visible_at
+),
 claimed AS (
     UPDATE enrichq.queue AS q
     SET state = 'leased',
         attempts = q.attempts + 1,
         lease_owner = :owner,
-        lease_expires_at = coalesce(CAST(:now AS timestamptz), now()) + make_interval(secs => :lease_seconds),
-        heartbeat_at = coalesce(CAST(:now AS timestamptz), now()),
-        updated_at = coalesce(CAST(:now AS timestamptz), now())
-    FROM picked
-    WHERE q.id = picked.id
+        claim_token = gen_random_uuid(),
+        lease_expires_at = clock.now + make_interval(secs => :lease_seconds),
+        heartbeat_at = clock.now,
+        updated_at = clock.now
+    FROM chosen, clock
+    WHERE q.id = chosen.id
     RETURNING q.id, q.kind, q.key, q.tenant, q.reason, q.payload, q.attempts,
-              q.max_attempts, q.lease_expires_at, q.created_at, q.last_error
+              q.max_attempts, q.claim_token, q.lease_expires_at, q.created_at, q.last_error
 ),
--- count the claims for fairness (tenants in a fixed order: concurrent claims never deadlock)
+-- count the claims for fairness (pairs in a fixed order: concurrent claims never deadlock)
 counted AS (
     INSERT INTO enrichq.tenant_served AS s (kind, tenant, bucket, served)
-    SELECT :kind, coalesce(c.tenant, ''), date_trunc('hour', coalesce(CAST(:now AS timestamptz), now())), count(*)
+    SELECT c.kind, coalesce(c.tenant, ''), date_trunc('hour', clock.now), count(*)
     FROM claimed AS c
-    GROUP BY 2, 3
-    ORDER BY 2
+    CROSS JOIN clock
+    GROUP BY 1, 2, 3
+    ORDER BY 1, 2
     ON CONFLICT (kind, tenant, bucket) DO UPDATE SET served = s.served + excluded.served
 )
 SELECT * FROM claimed ORDER BY id;
 
 
 -- name: queue_heartbeat prepared
--- Extends every listed lease :owner still holds (matching the claim's attempt) and returns
--- the ids it extended; a listed id that is missing was lost.
+-- Extends every listed lease (:ids[i] claimed with :tokens[i]) that :owner still holds,
+-- and returns the ids it extended; a listed id that is missing was lost.
 WITH clock AS (
     SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
 ),
 held AS (
     SELECT q.id
     FROM enrichq.queue AS q
-    JOIN unnest(CAST(:ids AS bigint[]), CAST(:attempts AS int[])) AS h(id, attempt)
-        ON q.id = h.id AND q.attempts = h.attempt
+    JOIN unnest(CAST(:ids AS bigint[]), CAST(:tokens AS uuid[])) AS h (id, token)
+        ON q.id = h.id AND q.claim_token = h.token
     CROSS JOIN clock
     WHERE q.state = 'leased' AND q.lease_owner = :owner AND q.lease_expires_at > clock.now
-    ORDER BY q.id
+    ORDER BY q.key COLLATE "C", q.kind COLLATE "C", q.id
     FOR UPDATE OF q
 )
 UPDATE enrichq.queue AS q
@@ -171,127 +205,68 @@ WHERE q.id = held.id
 RETURNING q.id;
 
 
--- name: queue_complete prepared
--- leased → done for every listed (id, attempt) :owner still holds; returns the ids that won.
--- The caller writes the results of exactly these ids in the same transaction.
+-- name: queue_settle prepared
+-- Settles a group of held jobs in one statement (:ids[i] claimed with :tokens[i], by
+-- :actions[i]), locking them all first in the global order:
+--   complete → done (the caller writes the results of exactly the rows that won);
+--   fail     → failed, for good, with :errors[i];
+--   retry    → queued after capped exponential backoff with half-to-full jitter,
+--              min(cap, base·2^attempts)·(0.5 + random()/2), with :errors[i]; its attempts
+--              spent → dead_letter (attempts_exhausted);
+--   defer    → queued at :untils[i] (NULL: now), the claim's attempt given back.
+-- A retry or defer whose key is queued already is dead-lettered as superseded by that row.
+-- Returns (id, state, dead_reason) of the rows that won.
 WITH clock AS (
     SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
 ),
-held AS (
-    SELECT q.id
+held AS MATERIALIZED (
+    SELECT q.id, q.kind, q.key, q.attempts >= q.max_attempts AS spent, s.action, s.error,
+           s.until
     FROM enrichq.queue AS q
-    JOIN unnest(CAST(:ids AS bigint[]), CAST(:attempts AS int[])) AS s(id, attempt)
-        ON q.id = s.id AND q.attempts = s.attempt
+    JOIN unnest(CAST(:ids AS bigint[]), CAST(:tokens AS uuid[]), CAST(:actions AS text[]),
+                CAST(:errors AS text[]), CAST(:untils AS timestamptz[]))
+        AS s (id, token, action, error, until)
+        ON q.id = s.id AND q.claim_token = s.token
     CROSS JOIN clock
     WHERE q.state = 'leased' AND q.lease_owner = :owner AND q.lease_expires_at > clock.now
-    ORDER BY q.id
+    ORDER BY q.key COLLATE "C", q.kind COLLATE "C", q.id
     FOR UPDATE OF q
-)
-UPDATE enrichq.queue AS q
-SET state = 'done', finished_at = clock.now, updated_at = clock.now,
-    lease_owner = NULL, lease_expires_at = NULL, heartbeat_at = NULL
-FROM held, clock
-WHERE q.id = held.id
-RETURNING q.id;
-
-
--- name: queue_fail
--- leased → failed (permanent error, terminal) for every listed job :owner still holds;
--- returns the ids that won.
-WITH clock AS (
-    SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
 ),
-held AS (
-    SELECT q.id, s.error
-    FROM enrichq.queue AS q
-    JOIN unnest(CAST(:ids AS bigint[]), CAST(:attempts AS int[]), CAST(:errors AS text[]))
-        AS s(id, attempt, error)
-        ON q.id = s.id AND q.attempts = s.attempt
-    CROSS JOIN clock
-    WHERE q.state = 'leased' AND q.lease_owner = :owner AND q.lease_expires_at > clock.now
-    ORDER BY q.id
-    FOR UPDATE OF q
+decided AS (
+    SELECT h.id, h.action, h.error, h.until,
+           h.action = 'retry' AND h.spent AS exhausted,
+           CASE WHEN h.action IN ('retry', 'defer') THEN (
+               SELECT o.id FROM enrichq.queue AS o
+               WHERE o.state = 'queued' AND o.kind = h.kind AND o.key = h.key
+           ) END AS queued_id
+    FROM held AS h
 )
 UPDATE enrichq.queue AS q
-SET state = 'failed', last_error = held.error, finished_at = clock.now,
-    updated_at = clock.now, lease_owner = NULL, lease_expires_at = NULL, heartbeat_at = NULL
-FROM held, clock
-WHERE q.id = held.id
-RETURNING q.id;
-
-
--- name: queue_retry
--- leased → queued after a transient error, visible after capped exponential backoff with
--- half-to-full jitter: min(cap, base·2^attempts)·(0.5 + random()/2). Spent attempts →
--- dead_letter (attempts_exhausted); a key that is queued already → dead_letter (superseded
--- by that row). Returns (id, state) of the rows that won.
-WITH clock AS (
-    SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
-),
-held AS (
-    SELECT q.id, s.error, (q.attempts >= q.max_attempts) AS exhausted,
-           (SELECT o.id FROM enrichq.queue AS o
-            WHERE o.state = 'queued' AND o.kind = q.kind AND o.key = q.key) AS queued_id
-    FROM enrichq.queue AS q
-    JOIN unnest(CAST(:ids AS bigint[]), CAST(:attempts AS int[]), CAST(:errors AS text[]))
-        AS s(id, attempt, error)
-        ON q.id = s.id AND q.attempts = s.attempt
-    CROSS JOIN clock
-    WHERE q.state = 'leased' AND q.lease_owner = :owner AND q.lease_expires_at > clock.now
-    ORDER BY q.id
-    FOR UPDATE OF q
-)
-UPDATE enrichq.queue AS q
-SET state = CASE WHEN held.exhausted OR held.queued_id IS NOT NULL THEN 'dead_letter'
+SET state = CASE WHEN d.action = 'complete' THEN 'done'
+                 WHEN d.action = 'fail' THEN 'failed'
+                 WHEN d.exhausted OR d.queued_id IS NOT NULL THEN 'dead_letter'
                  ELSE 'queued' END,
-    dead_reason = CASE WHEN held.exhausted THEN 'attempts_exhausted'
-                       WHEN held.queued_id IS NOT NULL THEN 'superseded' END,
-    superseded_by = CASE WHEN NOT held.exhausted THEN held.queued_id END,
-    finished_at = CASE WHEN held.exhausted OR held.queued_id IS NOT NULL THEN clock.now END,
-    visible_at = CASE WHEN held.exhausted OR held.queued_id IS NOT NULL THEN q.visible_at
-                      ELSE clock.now + make_interval(secs =>
-                          least(CAST(:backoff_cap AS float8),
-                                CAST(:backoff_base AS float8) * power(2, q.attempts))
-                          * (0.5 + random() / 2)) END,
-    last_error = held.error, updated_at = clock.now,
-    lease_owner = NULL, lease_expires_at = NULL, heartbeat_at = NULL
-FROM held, clock
-WHERE q.id = held.id
-RETURNING q.id, q.state;
-
-
--- name: queue_defer
--- leased → queued until a given time, giving back the claim's attempt (nothing went wrong,
--- the work just cannot run yet); a key that is queued already → superseded by that row.
--- Returns (id, state) of the rows that won.
-WITH clock AS (
-    SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
-),
-held AS (
-    SELECT q.id, s.until,
-           (SELECT o.id FROM enrichq.queue AS o
-            WHERE o.state = 'queued' AND o.kind = q.kind AND o.key = q.key) AS queued_id
-    FROM enrichq.queue AS q
-    JOIN unnest(CAST(:ids AS bigint[]), CAST(:attempts AS int[]),
-                CAST(:untils AS timestamptz[])) AS s(id, attempt, until)
-        ON q.id = s.id AND q.attempts = s.attempt
-    CROSS JOIN clock
-    WHERE q.state = 'leased' AND q.lease_owner = :owner AND q.lease_expires_at > clock.now
-    ORDER BY q.id
-    FOR UPDATE OF q
-)
-UPDATE enrichq.queue AS q
-SET state = CASE WHEN held.queued_id IS NULL THEN 'queued' ELSE 'dead_letter' END,
-    dead_reason = CASE WHEN held.queued_id IS NOT NULL THEN 'superseded' END,
-    superseded_by = held.queued_id,
-    finished_at = CASE WHEN held.queued_id IS NOT NULL THEN clock.now END,
-    visible_at = greatest(coalesce(held.until, clock.now), clock.now),
-    attempts = greatest(q.attempts - 1, 0),
+    dead_reason = CASE WHEN d.exhausted THEN 'attempts_exhausted'
+                       WHEN d.queued_id IS NOT NULL THEN 'superseded' END,
+    superseded_by = CASE WHEN NOT d.exhausted THEN d.queued_id END,
+    finished_at = CASE WHEN d.action IN ('complete', 'fail') OR d.exhausted
+                            OR d.queued_id IS NOT NULL THEN clock.now END,
+    visible_at = CASE
+        WHEN d.exhausted OR d.queued_id IS NOT NULL THEN q.visible_at
+        WHEN d.action = 'retry' THEN clock.now + make_interval(secs =>
+            least(CAST(:backoff_cap AS float8),
+                  CAST(:backoff_base AS float8) * power(2, q.attempts))
+            * (0.5 + random() / 2))
+        WHEN d.action = 'defer' THEN greatest(coalesce(d.until, clock.now), clock.now)
+        ELSE q.visible_at END,
+    attempts = CASE WHEN d.action = 'defer' THEN greatest(q.attempts - 1, 0)
+                    ELSE q.attempts END,
+    last_error = CASE WHEN d.action IN ('retry', 'fail') THEN d.error ELSE q.last_error END,
     updated_at = clock.now,
     lease_owner = NULL, lease_expires_at = NULL, heartbeat_at = NULL
-FROM held, clock
-WHERE q.id = held.id
-RETURNING q.id, q.state;
+FROM decided AS d, clock
+WHERE q.id = d.id
+RETURNING q.id, q.state, q.dead_reason;
 
 
 -- name: queue_queued_ids
