@@ -102,8 +102,8 @@ observe_errors_total = Counter(
 )
 
 # Gauges read from the database at scrape time (see enrichq_service.observe):
-#   enrichq_queue_rows{kind,state}
-#   enrichq_queue_dead_letters{kind,reason}
+#   enrichq_queue_rows{kind,state} (terminal states as of the sweeper's last count)
+#   enrichq_queue_dead_letters{kind,reason}, enrichq_queue_counted_timestamp_seconds
 #   enrichq_queue_oldest_visible_age_seconds{kind}
 #   enrichq_queue_live_leases, enrichq_queue_expired_leases
 #   enrichq_queue_dead_tuples, enrichq_queue_last_autovacuum_timestamp_seconds

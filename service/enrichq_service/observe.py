@@ -3,18 +3,18 @@
 The gauges are read from Postgres when Prometheus scrapes, through the named queries of
 ``sql/observe.sql``, and cached for a few seconds so a scrape storm runs them once.
 
-What ``enrichq_queue_rows{kind,state}`` covers, and why:
+What ``enrichq_queue_rows{kind,state}`` covers, and how fresh it is:
 
-- ``queued`` and ``leased``: exact, counted through the open-row partial indexes (cheap
+- ``queued`` and ``leased``: counted live, through the open-row partial indexes (cheap
   whatever the size of the history);
-- ``dead_letter``: exact, through the dead-letter partial index ``queue_dead_reason_idx``
-  (dead letters are few and an operator alerts on them);
-- ``done`` and ``failed`` are **omitted**: counting them walks the retained history (30
-  days of rows) on every scrape. Throughput comes from ``enrichq_job_outcomes_total``;
-  ``enrichq status`` gives the exact terminal counts on demand.
+- ``done``, ``failed`` and ``dead_letter`` (and ``enrichq_queue_dead_letters{kind,reason}``):
+  exact as of the sweeper leader's last count, which it writes once a pass to the small
+  table ``enrichq.queue_counts`` (``enrichq_queue_counted_timestamp_seconds`` says when).
+  Counting them at every scrape would walk the retained history (30 days of done rows, 90
+  of dead letters) on every scrape of every process.
 
-Every known kind gets a zero sample for queued/leased/dead_letter and for each dead reason,
-so an alert on an absent series never silently passes.
+Every known kind gets a zero sample for every state and for each dead reason, so an alert
+on an absent series never silently passes.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ SQL = load("enrichq_service", "sql/observe.sql")
 CACHE_SECONDS_DEFAULT = 5.0
 # A scrape must answer quickly even when the database is slow; Prometheus times out at 10 s.
 STATEMENT_TIMEOUT = "2s"
-ROW_STATES = (State.QUEUED.value, State.LEASED.value, State.DEAD_LETTER.value)
+ROW_STATES = tuple(s.value for s in State)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +58,7 @@ class QueueSnapshot:
     last_autovacuum_timestamp_seconds: float = 0.0
     oldest_transaction_age_seconds: float = 0.0
     budget_bytes_billed_today: int = 0
+    counted_at: float = 0.0  # unix time of the terminal counts (0 = never counted)
 
 
 def read_snapshot(conn: sa.Connection, *, now: datetime | None = None) -> QueueSnapshot:
@@ -68,11 +69,13 @@ def read_snapshot(conn: sa.Connection, *, now: datetime | None = None) -> QueueS
         rows[(kind, state)] = int(n)
         kinds.add(kind)
     dead: dict[tuple[str, str], int] = {}
-    for kind, reason, n in conn.execute(SQL("observe_dead_letters_by_reason")):
-        dead[(kind, reason)] = int(n)
-        per_kind = (kind, State.DEAD_LETTER.value)
-        rows[per_kind] = rows.get(per_kind, 0) + int(n)
-        kinds.add(kind)
+    counted_at = 0.0
+    for r in conn.execute(SQL("observe_counted")):
+        rows[(r.kind, r.state)] = rows.get((r.kind, r.state), 0) + int(r.rows)
+        if r.state == State.DEAD_LETTER:
+            dead[(r.kind, r.dead_reason)] = int(r.rows)
+        counted_at = max(counted_at, float(r.counted_at))
+        kinds.add(r.kind)
     oldest: dict[str, float] = {}
     for kind, age in conn.execute(SQL("observe_oldest_visible"), {"now": now}):
         oldest[kind] = max(0.0, float(age))
@@ -102,6 +105,7 @@ def read_snapshot(conn: sa.Connection, *, now: datetime | None = None) -> QueueS
         ),
         oldest_transaction_age_seconds=float(oldest_tx),
         budget_bytes_billed_today=int(budget),
+        counted_at=counted_at,
     )
 
 
@@ -109,7 +113,8 @@ def families(snapshot: QueueSnapshot) -> list[Metric]:
     """The Prometheus metric families of a snapshot."""
     rows = GaugeMetricFamily(
         "enrichq_queue_rows",
-        "Queue rows by kind and state (queued/leased/dead_letter; done/failed not scraped).",
+        "Queue rows by kind and state (open rows live; done, failed and dead_letter as of "
+        "the sweeper's last count).",
         labels=["kind", "state"],
     )
     for (kind, state), n in sorted(snapshot.rows.items()):
@@ -149,6 +154,12 @@ def families(snapshot: QueueSnapshot) -> list[Metric]:
             "enrichq_oldest_transaction_age_seconds",
             "Age of the oldest transaction holding back the vacuum horizon in this database.",
             snapshot.oldest_transaction_age_seconds,
+        ),
+        GaugeMetricFamily(
+            "enrichq_queue_counted_timestamp_seconds",
+            "Unix time of the sweeper's last count of done, failed and dead-letter rows "
+            "(0 = never).",
+            snapshot.counted_at,
         ),
         GaugeMetricFamily(
             "enrichq_budget_bytes_billed_today",

@@ -44,6 +44,9 @@ class DeadLetter:
     reason: str
     dead_reason: str
     superseded_by: int | None
+    # The superseding row's state now; None when retention has pruned it (done rows are
+    # kept 30 days, dead letters 90), so `superseded_by` names a row that no longer exists.
+    superseded_by_state: str | None
     attempts: int
     max_attempts: int
     last_error: str | None
@@ -228,12 +231,19 @@ def _print_table(rows: Sequence[DeadLetter]) -> None:
             r.key,
             r.tenant or "",
             r.dead_reason,
-            "" if r.superseded_by is None else str(r.superseded_by),
+            _superseder(r),
             f"{r.attempts}/{r.max_attempts}",
             r.finished_at.isoformat(timespec="seconds"),
             (r.last_error or "").splitlines()[0] if r.last_error else "",
         )
     console.print(table)
+
+
+def _superseder(row: DeadLetter) -> str:
+    """The 'by' column: the superseding row and its state, or that it was pruned."""
+    if row.superseded_by is None:
+        return ""
+    return f"{row.superseded_by} ({row.superseded_by_state or 'pruned'})"
 
 
 def redrive_cli(

@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from enrichq_schema.states import DeadReason, StopReason
 from enrichq_service import metrics
 from enrichq_service.settings import Settings
-from enrichq_sweeper import recovery, refresh, retention
+from enrichq_sweeper import counts, recovery, refresh, retention
 from enrichq_sweeper.common import owner_id, sql
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,7 @@ class Task(StrEnum):
     RECOVERY = "recovery"
     RETENTION = "retention"
     REFRESH = "refresh"
+    COUNTS = "counts"
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,3 +223,21 @@ def refresh_pass(
         return {"enqueued": enqueued}, False
 
     return run_pass(engine, Task.REFRESH, body, owner=owner)
+
+
+def counts_pass(
+    engine: sa.Engine,
+    settings: Settings,
+    *,
+    now: datetime | None = None,
+    owner: str | None = None,
+) -> PassReport:
+    """One recount of the terminal rows for /metrics, logged."""
+
+    def body() -> tuple[dict[str, float], bool]:
+        groups = counts.run_once(
+            engine, statement_timeout_seconds=settings.statement_timeout_seconds, now=now
+        )
+        return {"groups": groups}, False
+
+    return run_pass(engine, Task.COUNTS, body, owner=owner)

@@ -1,28 +1,38 @@
 """The refresh schedule: re-enrich recently active tickets whose enrichment is stale.
 
 Late orders reach agents this way: a ticket updated in the last week whose last enrichment
-is more than a day old (or that was never enriched) gets one `refresh` row, visible now,
-with no tenant, at the middle plan's priority.
+is more than a day old gets one `refresh` row, visible now, with no tenant, at the middle
+plan's priority. A ticket the queue gave up on (failed, or dead-lettered for a reason
+other than being superseded) after its last enrichment gets nothing until it is
+redriven, and a ticket never enriched is its enrich row's business, not refresh's.
+
+A pass walks the tickets updated in the last week in (updated_at, id) order, a page at a
+time in a transaction of its own, so its cost follows recent activity, never the size of
+the history, and no statement inserts more than a page of rows. The mirror needs an index
+on (updated_at, id) for that walk (docs/operations.md).
 """
 
 from __future__ import annotations
 
-from datetime import datetime
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from functools import cache
 
 import sqlalchemy as sa
 
 from enrichq_schema.states import KEY_MAX_LENGTH, OWNERLESS_PRIORITY, Kind
 from enrichq_service.settings import Settings
-from enrichq_sweeper.common import set_statement_timeout, sql
+from enrichq_sweeper.common import DEFAULT_BATCH_SIZE, set_statement_timeout, sql
 
 UPDATED_WITHIN_SECONDS = 7 * 86_400.0
 ENRICHED_BEFORE_SECONDS = 86_400.0
+# The cursor before the first page: before every (updated_at, id).
+START: tuple[datetime, str] = (datetime.min.replace(tzinfo=UTC), "")
 
 
 @cache
 def _statement(tickets_table: str, dialect: sa.Dialect) -> sa.TextClause:
-    """refresh_enqueue with the tickets table's name in it.
+    """refresh_enqueue_page with the tickets table's name in it.
 
     A table name cannot be a bound parameter, so it goes into the text: Settings has
     checked it is schema.table of plain identifiers, and each part is quoted by the
@@ -31,12 +41,29 @@ def _statement(tickets_table: str, dialect: sa.Dialect) -> sa.TextClause:
     preparer = dialect.identifier_preparer
     schema, table = tickets_table.split(".")
     quoted = f"{preparer.quote_schema(schema)}.{preparer.quote(table)}"
-    return sa.text(sql()["refresh_enqueue"].sql.replace("{tickets_table}", quoted))
+    return sa.text(sql()["refresh_enqueue_page"].sql.replace("{tickets_table}", quoted))
 
 
-def enqueue(conn: sa.Connection, settings: Settings, *, now: datetime | None = None) -> int:
-    """Enqueue the refresh rows due now and wake the workers; how many went in."""
-    inserted = conn.execute(
+@dataclass(frozen=True, slots=True)
+class Page:
+    """What one page of the schedule did, and where the next one starts."""
+
+    inserted: int
+    scanned: int
+    after: tuple[datetime, str] | None  # None: the page was the last one
+
+
+def enqueue_page(
+    conn: sa.Connection,
+    settings: Settings,
+    *,
+    after: tuple[datetime, str] = START,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    now: datetime | None = None,
+) -> Page:
+    """Enqueue the refresh rows due among the next `batch_size` recently updated tickets
+    after the cursor `after`, and wake the workers; the caller commits."""
+    row = conn.execute(
         _statement(settings.tickets_table, conn.dialect),
         {
             "now": now,
@@ -45,15 +72,31 @@ def enqueue(conn: sa.Connection, settings: Settings, *, now: datetime | None = N
             "updated_within_seconds": UPDATED_WITHIN_SECONDS,
             "enriched_before_seconds": ENRICHED_BEFORE_SECONDS,
             "key_max_length": KEY_MAX_LENGTH,
+            "after_updated_at": after[0],
+            "after_id": after[1],
+            "batch_size": batch_size,
         },
-    ).scalar_one()
-    if inserted:
+    ).one()
+    if row.inserted:
         conn.execute(sql()("queue_notify"), {"kind": Kind.REFRESH.value})
-    return int(inserted)
+    last = None if row.scanned < batch_size else (row.last_updated_at, row.last_id)
+    return Page(int(row.inserted), int(row.scanned), last)
 
 
-def run_once(engine: sa.Engine, settings: Settings, *, now: datetime | None = None) -> int:
-    """One refresh pass in one transaction; how many refresh rows it enqueued."""
-    with engine.begin() as conn:
-        set_statement_timeout(conn, settings.statement_timeout_seconds)
-        return enqueue(conn, settings, now=now)
+def run_once(
+    engine: sa.Engine,
+    settings: Settings,
+    *,
+    now: datetime | None = None,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+) -> int:
+    """One refresh pass, one short transaction per page of tickets; how many rows it enqueued."""
+    inserted = 0
+    after: tuple[datetime, str] | None = START
+    while after is not None:
+        with engine.begin() as conn:
+            set_statement_timeout(conn, settings.statement_timeout_seconds)
+            page = enqueue_page(conn, settings, after=after, batch_size=batch_size, now=now)
+        inserted += page.inserted
+        after = page.after
+    return inserted

@@ -1,7 +1,8 @@
 """`enrichq sweep`: elect one leader among the replicas, then run the tasks on a schedule.
 
-The leader runs lease recovery every ENRICHQ_SWEEP_INTERVAL_SECONDS, retention daily, the
-refresh enqueue every ENRICHQ_REFRESH_INTERVAL_SECONDS and, when
+The leader runs lease recovery and the terminal counts of /metrics every
+ENRICHQ_SWEEP_INTERVAL_SECONDS, retention daily, the refresh enqueue every
+ENRICHQ_REFRESH_INTERVAL_SECONDS and, when
 ENRICHQ_PARITY_INTERVAL_HOURS > 0, parity; the others retry the leader lock every few
 seconds and take over when the leader dies. APScheduler is imported only here, so the CLI
 stays quick to start.
@@ -109,6 +110,9 @@ class _Tasks:
     def refresh(self) -> bool:
         return passes.refresh_pass(self.engine, self.settings, owner=self.owner).ok
 
+    def counts(self) -> bool:
+        return passes.counts_pass(self.engine, self.settings, owner=self.owner).ok
+
     def parity(self) -> bool:
         try:
             from enrichq_parity.parity import run_scheduled
@@ -128,6 +132,8 @@ class _Tasks:
             ("recovery", self.recovery, self.settings.sweep_interval_seconds),
             ("retention", self.retention, RETENTION_INTERVAL_SECONDS),
             ("refresh", self.refresh, self.settings.refresh_interval_seconds),
+            # the terminal counts /metrics reads, as fresh as lease recovery
+            ("counts", self.counts, self.settings.sweep_interval_seconds),
         ]
         if self.settings.parity_interval_hours > 0:
             hours = self.settings.parity_interval_hours

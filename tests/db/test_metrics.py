@@ -27,6 +27,7 @@ from enrichq_service.observe import (
     start_metrics_server,
 )
 from enrichq_service.queue import EnqueueRequest
+from enrichq_sweeper import counts
 
 SECRET = "whsec-metrics-test-77c1e2"
 DB_GAUGES = {
@@ -39,6 +40,7 @@ DB_GAUGES = {
     "enrichq_queue_last_autovacuum_timestamp_seconds",
     "enrichq_oldest_transaction_age_seconds",
     "enrichq_budget_bytes_billed_today",
+    "enrichq_queue_counted_timestamp_seconds",
 }
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -102,16 +104,20 @@ def test_metrics_endpoint_matches_the_database(db_url: str, db_engine: sa.Engine
         # A row visible an hour ago, claimed then with a 60 s lease: expired now.
         queue.enqueue(conn, [EnqueueRequest.build(key="T-old")], settings=cfg, now=past)
         assert (
-            len(queue.claim(conn, kind="enrich", owner="w0", limit=1, lease_seconds=60, now=past))
+            len(
+                queue.claim(
+                    conn, kinds=("enrich",), owner="w0", limit=1, lease_seconds=60, now=past
+                )
+            )
             == 1
         )
     with db_engine.begin() as conn:
-        a, b, _c = queue.claim(conn, kind="enrich", owner="w1", limit=3, lease_seconds=60)
+        a, b, _c = queue.claim(conn, kinds=("enrich",), owner="w1", limit=3, lease_seconds=60)
         queue.complete(conn, owner="w1", jobs=[a])
         queue.retry(
             conn, owner="w1", failures=[(b, "boom")], backoff_base_seconds=0, backoff_cap_seconds=0
         )
-        queue.claim(conn, kind="refresh", owner="w1", limit=1, lease_seconds=60)
+        queue.claim(conn, kinds=("refresh",), owner="w1", limit=1, lease_seconds=60)
         conn.execute(
             sa.text(
                 "INSERT INTO enrichq.budget_ledger (day, bytes_billed, lookups)"
@@ -148,6 +154,8 @@ def test_metrics_endpoint_matches_the_database(db_url: str, db_engine: sa.Engine
             )
         ).scalar_one()
 
+    # the sweeper leader's count of terminal rows, which the scrape reads
+    counts.run_once(db_engine, statement_timeout_seconds=5)
     with TestClient(create_app(cfg, db_engine)) as client:
         response = client.get("/metrics")
     assert response.status_code == 200
@@ -160,18 +168,15 @@ def test_metrics_endpoint_matches_the_database(db_url: str, db_engine: sa.Engine
     assert by_state[("enrich", "dead_letter")] == 1
     assert by_state[("enrich", "leased")] == 2
     assert (live, expired) == (2, 1)
+    assert by_state[("enrich", "done")] == 1
     for kind in ("enrich", "refresh"):
-        for state in ("queued", "leased", "dead_letter"):
+        for state in ("queued", "leased", "done", "failed", "dead_letter"):
             got = samples[("enrichq_queue_rows", (("kind", kind), ("state", state)))]
             assert got == by_state.get((kind, state), 0), (kind, state)
         for reason in ("attempts_exhausted", "superseded"):
             got = samples[("enrichq_queue_dead_letters", (("kind", kind), ("reason", reason)))]
             assert got == dead.get((kind, reason), 0), (kind, reason)
-    # done/failed are not scraped (they would walk the history); see observe's docstring.
-    assert not any(
-        name == "enrichq_queue_rows" and dict(labels)["state"] in ("done", "failed")
-        for name, labels in samples
-    )
+    assert samples[("enrichq_queue_counted_timestamp_seconds", ())] > past.timestamp()
     assert samples[("enrichq_queue_live_leases", ())] == live
     assert samples[("enrichq_queue_expired_leases", ())] == expired
     assert samples[("enrichq_budget_bytes_billed_today", ())] == 123456789

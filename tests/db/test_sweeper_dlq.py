@@ -112,6 +112,32 @@ def test_list_cli_prints_json_lines_and_a_table(
     assert "T-1" not in table
 
 
+def test_a_superseder_that_retention_pruned_is_shown_as_pruned(
+    db_engine: sa.Engine,
+    db_url: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Dead letters are kept 90 days, the done rows that superseded them 30: the listing
+    must not name a row that no longer exists as if it did."""
+    with db_engine.begin() as conn:
+        kept = queued(conn, "T-1")
+        gone = queued(conn, "T-2")
+        alive = dead(conn, "T-1", "superseded", superseded_by=kept)
+        orphan = dead(conn, "T-2", "superseded", superseded_by=gone)
+        conn.execute(sa.delete(queue).where(queue.c.id == gone))  # what retention does
+    settings = make_settings(db_url)
+    dlq.list_cli(settings, db_url, reason=None, limit=10, as_json=True)
+    lines = {r["id"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert (lines[alive]["superseded_by"], lines[alive]["superseded_by_state"]) == (kept, "queued")
+    assert (lines[orphan]["superseded_by"], lines[orphan]["superseded_by_state"]) == (gone, None)
+    monkeypatch.setenv("COLUMNS", "200")  # a terminal wide enough for every column
+    dlq.list_cli(settings, db_url, reason=None, limit=10, as_json=False)
+    table = capsys.readouterr().out
+    assert f"{gone} (pruned)" in table
+    assert f"{kept} (queued)" in table
+
+
 def test_list_cli_bad_reason_is_a_one_line_error(
     db_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import psycopg
 import pytest
@@ -16,7 +16,6 @@ from tests.support.pg import Databases
 from enrichq_schema.db import create_engine
 from enrichq_schema.tables import lookup_log, queue, runs, tenant_served, ticket_enrichments
 from enrichq_sweeper import passes, refresh, retention
-from enrichq_sweeper.common import sql as sweeper_sql
 from enrichq_sweeper.leader import SWEEPER_LOCK_ID
 from enrichq_sweeper.scheduler import run_sweeper
 
@@ -141,34 +140,6 @@ def test_retention_stops_between_batches_when_asked(db_engine: sa.Engine) -> Non
     assert result.done == 2
 
 
-def test_retention_queries_use_the_terminal_index(db_engine: sa.Engine) -> None:
-    """The prune statements imply the partial index's predicate and read it in age order.
-
-    Its own database: ANALYZE writes pg_class in place, which a rollback does not undo.
-    """
-    with db_engine.begin() as conn:
-        conn.execute(
-            sa.text(
-                "INSERT INTO enrichq.queue (kind, key, reason, state, attempts, max_attempts,"
-                " finished_at, dead_reason)"
-                " SELECT 'enrich', 'K-' || i, 'created', s.state, 1, 1,"
-                " CAST(:at AS timestamptz) - make_interval(mins => i),"
-                " CASE WHEN s.state = 'dead_letter' THEN 'attempts_exhausted' END"
-                " FROM generate_series(1, 3000) AS i,"
-                " LATERAL (SELECT (ARRAY['done', 'failed', 'dead_letter'])[i % 3 + 1] AS state) AS s"
-            ),
-            {"at": T0},
-        )
-        conn.execute(sa.text("ANALYZE enrichq.queue"))
-        conn.execute(sa.text("SET LOCAL enable_seqscan = off"))
-        for name in ("retention_prune_finished", "retention_prune_dead"):
-            plan = conn.execute(
-                sa.text(f"EXPLAIN (FORMAT JSON) {sweeper_sql()[name].sql}"),
-                {"cutoff": T0 - DAY, "batch_size": 10},
-            ).scalar_one()
-            assert "queue_terminal_finished_idx" in json.dumps(plan), name
-
-
 # -- refresh
 
 TICKETS_DDL = """
@@ -201,28 +172,49 @@ def enriched(conn: sa.Connection, key: str, ago: timedelta) -> None:
     )
 
 
-def test_refresh_enqueues_recent_tickets_with_stale_or_missing_enrichment(
+def given_up(conn: sa.Connection, key: str, state: str, *, after_enrichment: bool) -> None:
+    """A terminal row of `key` newer (or older) than its enrichment's queue row (id 1000)."""
+    row_id = 2000 if after_enrichment else 500
+    conn.execute(
+        sa.text(
+            "INSERT INTO enrichq.queue (id, kind, key, reason, state, attempts, max_attempts,"
+            " finished_at, dead_reason) OVERRIDING SYSTEM VALUE VALUES (:id, 'enrich', :key,"
+            " 'updated', :state, 3, 3, :at, :reason)"
+        ),
+        {
+            "id": row_id + sum(map(ord, key)),
+            "key": key,
+            "state": state,
+            "at": T0 - DAY,
+            "reason": {"dead_letter": "attempts_exhausted", "superseded": "superseded"}.get(state),
+        },
+    )
+
+
+def test_refresh_enqueues_recent_tickets_whose_enrichment_is_stale(
     db_engine: sa.Engine, db_url: str
 ) -> None:
     settings = make_settings(db_url, max_attempts=7)
     with db_engine.begin() as conn:
         table = make_tickets(conn)
-        ticket(conn, table, "never-enriched", DAY)
         ticket(conn, table, "stale", 2 * DAY)
         enriched(conn, "stale", 2 * DAY)
+        ticket(conn, table, "never-enriched", DAY)  # its own enrich row's business
         ticket(conn, table, "fresh", DAY)
         enriched(conn, "fresh", timedelta(hours=1))
         ticket(conn, table, "quiet-for-a-week", 8 * DAY)
-        ticket(conn, table, "queued-enrich", DAY)
-        put(conn, "queued-enrich", "queued", finished_ago=None)
-        ticket(conn, table, "running", DAY)
-        put(conn, "running", "leased", finished_ago=None)
+        enriched(conn, "quiet-for-a-week", 9 * DAY)
+        for key, state in (("queued-enrich", "queued"), ("running", "leased")):
+            ticket(conn, table, key, DAY)
+            enriched(conn, key, 2 * DAY)
+            put(conn, key, state, finished_ago=None)
         ticket(conn, table, "x" * 201, DAY)  # longer than a queue key may be
+        enriched(conn, "x" * 201, 2 * DAY)
 
     listener = psycopg.connect(db_url.replace("postgresql+psycopg", "postgresql"), autocommit=True)
     try:
         listener.execute("LISTEN enrichq_queue")
-        assert refresh.run_once(db_engine, settings, now=T0) == 2
+        assert refresh.run_once(db_engine, settings, now=T0) == 1
         heard = [n.payload for n in listener.notifies(timeout=5, stop_after=1)]
     finally:
         listener.close()
@@ -232,12 +224,77 @@ def test_refresh_enqueues_recent_tickets_with_stale_or_missing_enrichment(
         rows = conn.execute(
             sa.select(queue).where(queue.c.kind == "refresh").order_by(queue.c.key)
         ).all()
-    assert [r.key for r in rows] == ["never-enriched", "stale"]
+    assert [r.key for r in rows] == ["stale"]
     for r in rows:
         assert (r.state, r.reason, r.tenant, r.priority) == ("queued", "refresh", None, 1)
         assert (r.attempts, r.max_attempts, r.visible_at) == (0, 7, T0)
-    # a second pass finds them queued already
+    # a second pass finds it queued already
     assert refresh.run_once(db_engine, settings, now=T0) == 0
+
+
+@pytest.mark.parametrize(
+    ("state", "after_enrichment", "refreshed"),
+    [
+        ("dead_letter", True, False),  # attempts spent since the last enrichment: poison
+        ("failed", True, False),  # failed for good since
+        ("superseded", True, True),  # a newer row took its work over: nothing given up
+        ("dead_letter", False, True),  # given up before, enriched since: refresh as usual
+    ],
+)
+def test_refresh_leaves_a_ticket_the_queue_gave_up_on_until_it_is_redriven(
+    db_engine: sa.Engine, db_url: str, state: str, after_enrichment: bool, refreshed: bool
+) -> None:
+    settings = make_settings(db_url)
+    with db_engine.begin() as conn:
+        table = make_tickets(conn)
+        ticket(conn, table, "T-1", DAY)
+        conn.execute(
+            sa.insert(ticket_enrichments).values(
+                ticket_id="T-1", enriched_at=T0 - 2 * DAY, order_count=0, queue_id=1000
+            )
+        )
+        given_up(conn, "T-1", state if state != "superseded" else "dead_letter",
+                 after_enrichment=after_enrichment)  # fmt: skip
+        if state == "superseded":
+            conn.execute(sa.text("UPDATE enrichq.queue SET dead_reason = 'superseded'"))
+    for _ in range(10):
+        refresh.run_once(db_engine, settings, now=T0)
+        with db_engine.begin() as conn:  # each refresh done at once, enrichment still stale
+            conn.execute(
+                sa.text(
+                    "UPDATE enrichq.queue SET state = 'done', finished_at = now()"
+                    " WHERE kind = 'refresh' AND state = 'queued'"
+                )
+            )
+    with db_engine.connect() as conn:
+        refreshes = conn.execute(
+            sa.select(sa.func.count()).where(queue.c.kind == "refresh")
+        ).scalar_one()
+    assert refreshes == (10 if refreshed else 0)
+
+
+def test_refresh_walks_the_recent_tickets_a_page_at_a_time(
+    db_engine: sa.Engine, db_url: str
+) -> None:
+    settings = make_settings(db_url)
+    with db_engine.begin() as conn:
+        table = make_tickets(conn)
+        for i in range(25):
+            ticket(conn, table, f"T-{i:02d}", DAY + timedelta(minutes=i % 4))  # ties included
+            enriched(conn, f"T-{i:02d}", 2 * DAY)
+    statements: list[int] = []
+
+    @sa.event.listens_for(db_engine, "after_cursor_execute")
+    def pages(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if "refresh" in statement and "INSERT INTO enrichq.queue" in statement:
+            statements.append(cursor.rowcount)
+
+    assert refresh.run_once(db_engine, settings, now=T0, batch_size=10) == 25
+    sa.event.remove(db_engine, "after_cursor_execute", pages)
+    assert len(statements) == 3  # 10, 10, 5: no statement enqueues more than a page
+    with db_engine.connect() as conn:
+        keys = conn.execute(sa.select(queue.c.key).where(queue.c.kind == "refresh")).scalars()
+        assert sorted(keys) == [f"T-{i:02d}" for i in range(25)]
 
 
 def test_refresh_quotes_the_configured_table_name(db_engine: sa.Engine, db_url: str) -> None:
@@ -245,6 +302,7 @@ def test_refresh_quotes_the_configured_table_name(db_engine: sa.Engine, db_url: 
     with db_engine.begin() as conn:
         table = make_tickets(conn, "desk", '"order"')
         ticket(conn, table, "T-1", DAY)
+        enriched(conn, "T-1", 2 * DAY)
     assert refresh.run_once(db_engine, settings, now=T0) == 1
 
 
@@ -294,14 +352,15 @@ def test_retention_pass_counts_pruned_rows_in_run_log_and_metrics(
 def test_recovery_pass_updates_the_sweeper_metrics(db_engine: sa.Engine, db_url: str) -> None:
     settings = make_settings(db_url)
     with db_engine.begin() as conn:
-        for attempts in (1, 1, 5):
+        for key, attempts in (("T-1", 1), ("T-2", 1), ("T-3", 5)):
             conn.execute(
                 sa.insert(queue).values(
-                    kind="enrich", key="T-1", reason="created", state="leased",
+                    kind="enrich", key=key, reason="created", state="leased",
                     attempts=attempts, max_attempts=5, lease_owner="w",
                     lease_expires_at=T0 - timedelta(seconds=1),
                 )
             )  # fmt: skip
+        put(conn, "T-2", "queued", finished_ago=None)
     before = {
         "promoted": sample("enrichq_sweeper_promoted_total"),
         "expiries": sample("enrichq_sweeper_lease_expiries_total"),
@@ -347,6 +406,7 @@ def test_sweep_once_runs_every_task_once_and_exits_zero(
         tasks = conn.execute(sa.text("SELECT counts->>'task', stop_reason FROM enrichq.runs")).all()
         state = conn.execute(sa.select(queue.c.state)).scalar_one()
     assert sorted(tasks) == [
+        ("counts", "no_work"),
         ("recovery", "no_work"),
         ("refresh", "no_work"),
         ("retention", "no_work"),

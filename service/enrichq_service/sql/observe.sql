@@ -1,6 +1,7 @@
 -- Read-only questions about the queue for `enrichq status` and the /metrics gauges.
--- Open rows are counted through the partial indexes; terminal rows through the planner's
--- statistics, so a scrape never walks the history.
+-- Open rows are counted live through their partial indexes. A scrape reads terminal rows
+-- from enrichq.queue_counts (the sweeper leader's count, once a pass), so it never walks
+-- the history; `enrichq status`, on demand, counts them exactly.
 
 
 -- name: observe_open_counts
@@ -12,6 +13,13 @@ SELECT kind, 'leased' AS state, count(*) AS n
 FROM enrichq.queue WHERE state = 'leased' GROUP BY kind;
 
 
+-- name: observe_counted
+-- The sweeper's last count of terminal rows: kind, state, dead reason ('' when none), rows,
+-- and when it was counted (unix seconds).
+SELECT kind, state, dead_reason, rows, extract(epoch FROM counted_at) AS counted_at
+FROM enrichq.queue_counts;
+
+
 -- name: observe_terminal_counts
 -- Done, failed and dead-letter rows by kind and state (exact; for `status`, not for scrapes).
 SELECT kind, state, count(*) AS n
@@ -21,7 +29,7 @@ GROUP BY kind, state;
 
 
 -- name: observe_dead_letters_by_reason
--- Dead letters by reason, through the dead-letter partial index.
+-- Dead letters by reason, through the dead-letter partial index (exact; for `status`).
 SELECT kind, dead_reason AS reason, count(*) AS n
 FROM enrichq.queue WHERE state = 'dead_letter'
 GROUP BY kind, dead_reason;

@@ -11,6 +11,8 @@ CREATE TABLE IF NOT EXISTS helpdesk.tickets (
     created_at timestamptz NOT NULL DEFAULT now(),
     updated_at timestamptz NOT NULL DEFAULT now()
 );
+-- what the sweeper's refresh schedule walks (recently updated tickets, a page at a time)
+CREATE INDEX IF NOT EXISTS tickets_updated_at_id_idx ON helpdesk.tickets (updated_at, id);
 
 
 -- name: seed_create_warehouse

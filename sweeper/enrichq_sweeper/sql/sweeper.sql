@@ -35,113 +35,80 @@ LIMIT :batch_size;
 
 
 -- name: recovery_recover_batch
--- Recovers every expired lease of the scanned keys (:kinds[i], :keys[i]) in one statement;
--- returns `skipped` (rows that changed under the statement: the caller runs it again) and
--- the recovered ids per action (promote / supersede / exhaust) and kind, with the rows
--- they were superseded by, and each spent row's old lease. Taking all expired rows of a
--- key, not only those the scan saw, makes the newest expired row win when a key's rows
--- straddle two pages. No step joins two row sets: the per-key picks are one window over a
--- sorted list, so the cost stays n·log n whatever the planner believes about the table.
+-- Recovers the page's rows (:ids, in (key, kind, id) byte order) that are still expired
+-- leases, in one statement, and
+-- returns one row per recovered row: its action (promote / supersede / exhaust), the row
+-- it was superseded by, and, for a spent row, what the gave-up hook gets. Per row: spent
+-- attempts → dead_letter (attempts_exhausted); a key with a queued row of its kind →
+-- dead_letter (superseded by that row); else → queued, visible now. (A key has one lease
+-- at most, queue_leased_key_uq, so no two expired rows of a key compete.)
 WITH clock AS (
     SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
 ),
--- the keys' expired leases, one index probe per key (OFFSET 0 keeps it so: flattened into
--- a join, the planner may hash every lease in the table instead)
-expired AS (
-    SELECT e.*
-    FROM unnest(CAST(:kinds AS text[]), CAST(:keys AS text[])) AS b(kind, key)
+-- locked first, in the global order (key, kind, id) that worker settles and heartbeats use
+-- too, so a batch and a settle wait for each other but never deadlock: the ids come in that
+-- order, and each is probed by its primary key and locked in turn (a lateral per id, so no
+-- plan can reach the rows through every expired lease instead). A row its worker settled
+-- or extended since the scan no longer matches once its lock is granted (READ COMMITTED
+-- re-checks it) and is left alone.
+locked AS MATERIALIZED (
+    SELECT r.*
+    FROM unnest(CAST(:ids AS bigint[])) AS p (id)
     CROSS JOIN clock
     CROSS JOIN LATERAL (
-        SELECT q.id, q.kind, q.key, q.attempts, q.max_attempts,
-               (q.attempts >= q.max_attempts) AS spent, q.ctid AS row_at,
-               -- what the gave-up hook gets, carried along for spent rows only
-               CASE WHEN q.attempts >= q.max_attempts THEN q.tenant END AS tenant,
-               CASE WHEN q.attempts >= q.max_attempts THEN q.lease_owner END AS lease_owner,
-               CASE WHEN q.attempts >= q.max_attempts THEN q.lease_expires_at END
-                   AS lease_expires_at,
-               CASE WHEN q.attempts >= q.max_attempts THEN q.payload END AS payload
+        SELECT q.id, q.ctid AS row_at, q.kind, q.key, q.tenant, q.attempts, q.max_attempts,
+               q.lease_owner, q.lease_expires_at, q.attempts >= q.max_attempts AS spent
         FROM enrichq.queue AS q
-        WHERE q.state = 'leased' AND q.kind = b.kind AND q.key = b.key
-          AND q.lease_expires_at < clock.now
-        OFFSET 0
-    ) AS e
+        WHERE q.id = p.id AND q.state = 'leased' AND q.lease_expires_at < clock.now
+        FOR UPDATE OF q
+    ) AS r
 ),
--- the keys' queued rows (one per key at most); one queued after this statement's snapshot
--- shows up as a unique violation instead, and the caller runs the statement again
+-- the keys' queued rows (one per (kind, key) at most): one set of probes of the queued-key
+-- index, both its columns bound; one queued after this statement's snapshot shows up as a
+-- unique violation instead, and the caller runs the statement again
 queued AS (
-    SELECT q.id, q.kind, q.key
-    FROM enrichq.queue AS q
-    WHERE q.state = 'queued'
-      AND q.kind = ANY(CAST(:kinds AS text[])) AND q.key = ANY(CAST(:keys AS text[]))
+    SELECT o.id, o.kind, o.key
+    FROM enrichq.queue AS o
+    WHERE o.state = 'queued'
+      AND o.kind = ANY(CAST(:kinds AS text[])) AND o.key = ANY(CAST(:keys AS text[]))
 ),
--- per key: its queued row, and its newest expired row with attempts left
-picks AS (
-    SELECT c.*,
-           max(c.id) FILTER (WHERE c.is_queued) OVER w AS queued_id,
-           max(c.id) FILTER (WHERE NOT c.is_queued AND NOT c.spent) OVER w AS newest
-    FROM (
-        SELECT e.*, false AS is_queued FROM expired AS e
-        UNION ALL
-        SELECT q.id, q.kind, q.key, NULL, NULL, false, NULL, NULL, NULL, NULL, NULL, true
-        FROM queued AS q
-    ) AS c
-    -- byte order is enough to group a key's rows, and much cheaper than the collation's
-    WINDOW w AS (PARTITION BY c.kind COLLATE "C", c.key COLLATE "C")
-),
--- in id order: the write takes its row locks in the order it meets the rows, and every
--- batched write of the queue locks in id order, so two can wait but never deadlock
 decided AS (
-    SELECT p.*,
-           CASE WHEN p.spent THEN 'exhaust'
-                WHEN p.queued_id IS NULL AND p.id = p.newest THEN 'promote'
-                ELSE 'supersede' END AS action,
-           coalesce(p.queued_id, p.newest) AS winner
-    FROM picks AS p
-    WHERE NOT p.is_queued
-    ORDER BY p.id
+    SELECT l.*, CASE WHEN NOT l.spent THEN o.id END AS queued_id
+    FROM locked AS l
+    LEFT JOIN queued AS o ON o.kind = l.kind AND o.key = l.key
 ),
 -- wake LISTENing workers once per kind that gets work back (delivered at commit)
 notified AS (
     SELECT count(pg_notify('enrichq_queue', k.kind)) AS n
-    FROM (SELECT DISTINCT kind FROM decided WHERE action = 'promote') AS k
+    FROM (SELECT DISTINCT kind FROM decided WHERE NOT spent AND queued_id IS NULL) AS k
 ),
--- The write re-checks state and expiry on the row it changes, and takes only the row
--- version the decision saw (ctid, found without an index descent): a row a worker settled
--- or extended since the snapshot, even while this statement waited for its lock, is left
--- alone and counted as skipped.
 updated AS (
     UPDATE enrichq.queue AS q
-    SET state = CASE WHEN d.action = 'promote' THEN 'queued' ELSE 'dead_letter' END,
-        dead_reason = CASE d.action WHEN 'exhaust' THEN 'attempts_exhausted'
-                                    WHEN 'supersede' THEN 'superseded' END,
-        superseded_by = CASE WHEN d.action = 'supersede' THEN d.winner END,
-        finished_at = CASE WHEN d.action = 'promote' THEN NULL ELSE clock.now END,
-        visible_at = CASE WHEN d.action = 'promote' THEN clock.now ELSE q.visible_at END,
-        last_error = 'lease expired',
+    SET state = CASE WHEN d.spent OR d.queued_id IS NOT NULL THEN 'dead_letter'
+                     ELSE 'queued' END,
+        dead_reason = CASE WHEN d.spent THEN 'attempts_exhausted'
+                           WHEN d.queued_id IS NOT NULL THEN 'superseded' END,
+        superseded_by = d.queued_id,
+        finished_at = CASE WHEN d.spent OR d.queued_id IS NOT NULL THEN clock.now END,
+        visible_at = CASE WHEN d.spent OR d.queued_id IS NOT NULL THEN q.visible_at
+                          ELSE clock.now END,
+        last_error = :lease_expired,
         updated_at = clock.now,
         lease_owner = NULL, lease_expires_at = NULL, heartbeat_at = NULL
     FROM decided AS d, clock, notified
+    -- the locked row version, found without an index descent (a Tid scan per row)
     WHERE q.ctid = d.row_at AND q.id = d.id
-      AND q.state = 'leased' AND q.lease_expires_at < clock.now
-    RETURNING q.id, d.action, q.superseded_by, d.kind, d.key, d.tenant, d.attempts,
-              d.max_attempts, d.lease_owner, d.lease_expires_at, d.payload
+    RETURNING q.id, q.payload
 )
--- one row per (action, kind) with the ids as arrays (a page is thousands of rows), except
--- spent rows: one row each, with the old lease and payload for the gave-up hook
-SELECT s.skipped, g.*
-FROM (
-    SELECT (SELECT count(*) FROM decided) - (SELECT count(*) FROM updated) AS skipped
-) AS s
-LEFT JOIN (
-    SELECT u.action, u.kind,
-           array_agg(u.id ORDER BY u.id) AS ids,
-           array_agg(u.superseded_by ORDER BY u.id) AS winners,
-           min(u.key) AS key, min(u.tenant) AS tenant, min(u.attempts) AS attempts,
-           min(u.max_attempts) AS max_attempts, min(u.lease_owner) AS lease_owner,
-           min(u.lease_expires_at) AS lease_expires_at, (array_agg(u.payload))[1] AS payload
-    FROM updated AS u
-    GROUP BY u.action, u.kind, CASE WHEN u.action = 'exhaust' THEN u.id END
-) AS g ON true;
+SELECT d.id,
+       CASE WHEN d.spent THEN 'exhaust' WHEN d.queued_id IS NOT NULL THEN 'supersede'
+            ELSE 'promote' END AS action,
+       d.kind, d.key, d.queued_id AS winner, d.tenant, d.attempts, d.max_attempts,
+       d.lease_owner, d.lease_expires_at,
+       CASE WHEN d.spent THEN u.payload END AS payload
+FROM decided AS d
+JOIN updated AS u ON u.id = d.id
+ORDER BY d.id;
 
 
 -- name: queue_notify
@@ -150,10 +117,11 @@ SELECT pg_notify('enrichq_queue', :kind);
 
 
 -- name: retention_prune_finished
--- Deletes up to :batch_size done/failed rows finished before :cutoff (skipping rows another
--- transaction holds); returns (state, how many) per state deleted.
+-- Deletes up to :batch_size done/failed rows finished before :cutoff, oldest first
+-- (skipping rows another transaction holds), through queue_finished_idx, which holds no
+-- dead letters; returns (state, how many) per state deleted.
 WITH doomed AS (
-    SELECT q.id
+    SELECT q.ctid AS row_at
     FROM enrichq.queue AS q
     WHERE q.state IN ('done', 'failed')
       AND q.finished_at < CAST(:cutoff AS timestamptz)
@@ -161,19 +129,20 @@ WITH doomed AS (
     LIMIT :batch_size
     FOR UPDATE SKIP LOCKED
 ),
+-- the locked rows by their row versions: a Tid scan, whatever the size of the table
 deleted AS (
     DELETE FROM enrichq.queue AS q
-    USING doomed
-    WHERE q.id = doomed.id AND q.state IN ('done', 'failed')
+    WHERE q.ctid = ANY(ARRAY(SELECT row_at FROM doomed)) AND q.state IN ('done', 'failed')
     RETURNING q.state
 )
 SELECT state AS what, count(*) AS n FROM deleted GROUP BY state;
 
 
 -- name: retention_prune_dead
--- Deletes up to :batch_size dead letters finished before :cutoff; returns ('dead_letter', n).
+-- Deletes up to :batch_size dead letters finished before :cutoff, oldest first, through
+-- queue_dead_finished_idx; returns ('dead_letter', n).
 WITH doomed AS (
-    SELECT q.id
+    SELECT q.ctid AS row_at
     FROM enrichq.queue AS q
     WHERE q.state = 'dead_letter'
       AND q.finished_at < CAST(:cutoff AS timestamptz)
@@ -183,61 +152,65 @@ WITH doomed AS (
 ),
 deleted AS (
     DELETE FROM enrichq.queue AS q
-    USING doomed
-    WHERE q.id = doomed.id AND q.state = 'dead_letter'
+    WHERE q.ctid = ANY(ARRAY(SELECT row_at FROM doomed)) AND q.state = 'dead_letter'
     RETURNING q.id
 )
 SELECT 'dead_letter' AS what, count(*) AS n FROM deleted;
 
 
 -- name: retention_prune_tenant_served
--- Deletes up to :batch_size claim-count buckets older than :cutoff; returns ('tenant_served', n).
+-- Deletes up to :batch_size claim-count buckets older than :cutoff, oldest first (through
+-- tenant_served_bucket_idx); returns ('tenant_served', n).
 WITH doomed AS (
-    SELECT s.kind, s.tenant, s.bucket
+    SELECT s.ctid AS row_at
     FROM enrichq.tenant_served AS s
     WHERE s.bucket < CAST(:cutoff AS timestamptz)
+    ORDER BY s.bucket
     LIMIT :batch_size
     FOR UPDATE SKIP LOCKED
 ),
 deleted AS (
     DELETE FROM enrichq.tenant_served AS s
-    USING doomed AS d
-    WHERE s.kind = d.kind AND s.tenant = d.tenant AND s.bucket = d.bucket
+    WHERE s.ctid = ANY(ARRAY(SELECT row_at FROM doomed))
     RETURNING 1
 )
 SELECT 'tenant_served' AS what, count(*) AS n FROM deleted;
 
 
 -- name: retention_prune_lookup_log
--- Deletes up to :batch_size lookup-log rows created before :cutoff, oldest id first;
--- returns ('lookup_log', n).
+-- Deletes up to :batch_size lookup-log rows created before :cutoff, oldest first (through
+-- lookup_log_created_at_idx); returns ('lookup_log', n).
 WITH doomed AS (
-    SELECT l.id
+    SELECT l.ctid AS row_at
     FROM enrichq.lookup_log AS l
     WHERE l.created_at < CAST(:cutoff AS timestamptz)
-    ORDER BY l.id
+    ORDER BY l.created_at
     LIMIT :batch_size
     FOR UPDATE SKIP LOCKED
 ),
 deleted AS (
-    DELETE FROM enrichq.lookup_log AS l USING doomed WHERE l.id = doomed.id RETURNING 1
+    DELETE FROM enrichq.lookup_log AS l
+    WHERE l.ctid = ANY(ARRAY(SELECT row_at FROM doomed))
+    RETURNING 1
 )
 SELECT 'lookup_log' AS what, count(*) AS n FROM deleted;
 
 
 -- name: retention_prune_runs
--- Deletes up to :batch_size finished run-log rows started before :cutoff, oldest id
--- first; returns ('runs', n).
+-- Deletes up to :batch_size finished run-log rows started before :cutoff, oldest first
+-- (through runs_finished_started_at_idx); returns ('runs', n).
 WITH doomed AS (
-    SELECT r.id
+    SELECT r.ctid AS row_at
     FROM enrichq.runs AS r
     WHERE r.started_at < CAST(:cutoff AS timestamptz) AND r.finished_at IS NOT NULL
-    ORDER BY r.id
+    ORDER BY r.started_at
     LIMIT :batch_size
     FOR UPDATE SKIP LOCKED
 ),
 deleted AS (
-    DELETE FROM enrichq.runs AS r USING doomed WHERE r.id = doomed.id RETURNING 1
+    DELETE FROM enrichq.runs AS r
+    WHERE r.ctid = ANY(ARRAY(SELECT row_at FROM doomed))
+    RETURNING 1
 )
 SELECT 'runs' AS what, count(*) AS n FROM deleted;
 
@@ -247,48 +220,115 @@ SELECT 'runs' AS what, count(*) AS n FROM deleted;
 SELECT coalesce(CAST(:now AS timestamptz), now()) - make_interval(secs => CAST(:seconds AS float8));
 
 
--- name: refresh_enqueue
--- Enqueues one refresh row (visible now, no tenant) per ticket of {tickets_table} updated in
--- the last :updated_within_seconds whose last enrichment is older than
--- :enriched_before_seconds or missing, unless the ticket has open work already; merges with
--- a queued refresh through the partial unique index. Returns how many rows went in.
+-- name: refresh_enqueue_page
+-- One page of the refresh schedule: the next :batch_size tickets of {tickets_table}
+-- updated in the last :updated_within_seconds, after the cursor (:after_updated_at,
+-- :after_id) in (updated_at, id) order. Enqueues a refresh row (visible now, no tenant)
+-- for each whose enrichment is older than :enriched_before_seconds, unless the ticket has
+-- open work of either kind, or the queue gave up on it after that enrichment (a failed
+-- row, or a dead letter other than superseded): such a ticket waits for a redrive, so a
+-- poison ticket is never fed to the fleet again. A never-enriched ticket is not refresh's
+-- to do: its own enrich row is, or its dead letter. Returns how many rows went in, how
+-- many tickets the page held, and where the next page starts.
 -- {tickets_table} is an identifier, which cannot be a bound parameter: refresh.py puts in
 -- the validated, quoted name from the settings before the text is compiled.
 WITH clock AS (
     SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
 ),
-inserted AS (
-    INSERT INTO enrichq.queue AS q
-        (kind, key, tenant, priority, reason, state, visible_at, attempts, max_attempts)
-    SELECT 'refresh', CAST(t.id AS text), NULL, :priority, 'refresh', 'queued', clock.now, 0,
-           :max_attempts
+page AS MATERIALIZED (
+    SELECT CAST(t.id AS text) AS key, t.updated_at
     FROM {tickets_table} AS t
     CROSS JOIN clock
-    LEFT JOIN enrichq.ticket_enrichments AS e ON e.ticket_id = CAST(t.id AS text)
     WHERE t.updated_at >= clock.now - make_interval(secs => CAST(:updated_within_seconds AS float8))
-      AND (e.enriched_at IS NULL
-           OR e.enriched_at < clock.now - make_interval(secs => CAST(:enriched_before_seconds AS float8)))
-      AND char_length(CAST(t.id AS text)) BETWEEN 1 AND :key_max_length
+      AND (t.updated_at, CAST(t.id AS text))
+          > (CAST(:after_updated_at AS timestamptz), CAST(:after_id AS text))
+    ORDER BY t.updated_at, CAST(t.id AS text)
+    LIMIT :batch_size
+),
+due AS (
+    SELECT p.key
+    FROM page AS p
+    JOIN enrichq.ticket_enrichments AS e ON e.ticket_id = p.key
+    CROSS JOIN clock
+    WHERE e.enriched_at < clock.now - make_interval(secs => CAST(:enriched_before_seconds AS float8))
+      AND char_length(p.key) BETWEEN 1 AND :key_max_length
       -- a queued or running job of either kind enriches the ticket anyway
       AND NOT EXISTS (
           SELECT 1 FROM enrichq.queue AS o
-          WHERE o.state = 'queued' AND o.kind IN ('enrich', 'refresh')
-            AND o.key = CAST(t.id AS text))
+          WHERE o.state = 'queued' AND o.kind IN ('enrich', 'refresh') AND o.key = p.key)
       AND NOT EXISTS (
-          SELECT 1 FROM enrichq.queue AS o
-          WHERE o.state = 'leased' AND o.kind IN ('enrich', 'refresh')
-            AND o.key = CAST(t.id AS text))
-    ORDER BY t.updated_at
+          SELECT 1 FROM enrichq.queue AS o WHERE o.state = 'leased' AND o.key = p.key)
+      AND NOT EXISTS (
+          SELECT 1 FROM enrichq.queue AS g
+          WHERE (g.state = 'failed' OR (g.state = 'dead_letter' AND g.dead_reason <> 'superseded'))
+            AND g.key = p.key AND g.id > e.queue_id)
+),
+-- in the global lock order, like every enqueue
+inserted AS (
+    INSERT INTO enrichq.queue AS q
+        (kind, key, tenant, priority, reason, state, visible_at, attempts, max_attempts)
+    SELECT 'refresh', d.key, NULL, :priority, 'refresh', 'queued', clock.now, 0, :max_attempts
+    FROM due AS d
+    CROSS JOIN clock
+    ORDER BY d.key COLLATE "C"
     ON CONFLICT DO NOTHING
     RETURNING q.id
+),
+last AS (
+    SELECT p.updated_at, p.key FROM page AS p ORDER BY p.updated_at DESC, p.key DESC LIMIT 1
 )
-SELECT count(*) FROM inserted;
+SELECT (SELECT count(*) FROM inserted) AS inserted,
+       (SELECT count(*) FROM page) AS scanned,
+       (SELECT updated_at FROM last) AS last_updated_at,
+       (SELECT key FROM last) AS last_id;
+
+
+-- name: counts_refresh
+-- Recounts the terminal rows (done and failed by kind, dead letters by kind and reason)
+-- into enrichq.queue_counts, index-only over queue_finished_idx and
+-- queue_dead_finished_idx, and drops the counts of groups that have no rows any more;
+-- returns how many groups there are.
+WITH clock AS (
+    SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
+),
+counted AS (
+    SELECT q.kind, q.state, '' AS dead_reason, count(*) AS n
+    FROM enrichq.queue AS q
+    WHERE q.state IN ('done', 'failed')
+    GROUP BY q.kind, q.state
+    UNION ALL
+    SELECT q.kind, 'dead_letter', q.dead_reason, count(*)
+    FROM enrichq.queue AS q
+    WHERE q.state = 'dead_letter'
+    GROUP BY q.kind, q.dead_reason
+),
+upserted AS (
+    INSERT INTO enrichq.queue_counts AS c (kind, state, dead_reason, rows, counted_at)
+    SELECT x.kind, x.state, x.dead_reason, x.n, clock.now
+    FROM counted AS x
+    CROSS JOIN clock
+    ORDER BY 1, 2, 3
+    ON CONFLICT (kind, state, dead_reason) DO UPDATE
+    SET rows = excluded.rows, counted_at = excluded.counted_at
+    RETURNING 1
+),
+gone AS (
+    DELETE FROM enrichq.queue_counts AS c
+    WHERE NOT EXISTS (
+        SELECT 1 FROM counted AS x
+        WHERE x.kind = c.kind AND x.state = c.state AND x.dead_reason = c.dead_reason)
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM upserted) AS groups, (SELECT count(*) FROM gone) AS dropped;
 
 
 -- name: dlq_list
--- Dead letters, newest id first, at most :limit.
-SELECT q.id, q.kind, q.key, q.tenant, q.reason, q.dead_reason, q.superseded_by, q.attempts,
-       q.max_attempts, q.last_error, q.finished_at, q.created_at
+-- Dead letters, newest id first, at most :limit, each with the state of the row that
+-- superseded it (NULL when retention has pruned that row: dead letters outlive it).
+SELECT q.id, q.kind, q.key, q.tenant, q.reason, q.dead_reason, q.superseded_by,
+       (SELECT w.state FROM enrichq.queue AS w WHERE w.id = q.superseded_by)
+           AS superseded_by_state,
+       q.attempts, q.max_attempts, q.last_error, q.finished_at, q.created_at
 FROM enrichq.queue AS q
 WHERE q.state = 'dead_letter'
 ORDER BY q.id DESC
@@ -296,9 +336,12 @@ LIMIT :limit;
 
 
 -- name: dlq_list_by_reason
--- Dead letters with dead_reason :reason, newest id first, at most :limit.
-SELECT q.id, q.kind, q.key, q.tenant, q.reason, q.dead_reason, q.superseded_by, q.attempts,
-       q.max_attempts, q.last_error, q.finished_at, q.created_at
+-- Dead letters with dead_reason :reason, newest id first, at most :limit, each with the
+-- state of the row that superseded it (NULL when retention has pruned that row).
+SELECT q.id, q.kind, q.key, q.tenant, q.reason, q.dead_reason, q.superseded_by,
+       (SELECT w.state FROM enrichq.queue AS w WHERE w.id = q.superseded_by)
+           AS superseded_by_state,
+       q.attempts, q.max_attempts, q.last_error, q.finished_at, q.created_at
 FROM enrichq.queue AS q
 WHERE q.state = 'dead_letter' AND q.dead_reason = :reason
 ORDER BY q.id DESC
