@@ -20,6 +20,9 @@ COMMANDS = [
     ["dlq"],
     ["dlq", "list"],
     ["dlq", "redrive"],
+    ["dlq", "discard"],
+    ["cancel"],
+    ["audit"],
     ["parity"],
     ["cutover"],
     ["demo"],
@@ -46,6 +49,8 @@ def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
         assert name in out
     assert "cutover" in out
     assert "demo" in out
+    for name in ("cancel", "audit"):
+        assert name in out
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
