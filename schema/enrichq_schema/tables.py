@@ -123,6 +123,9 @@ queue = sa.Table(
     sa.Index("queue_terminal_finished_idx", "finished_at", postgresql_where=sa.text(TERMINAL)),
     # Dead-letter listing and redrive by reason.
     sa.Index("queue_dead_reason_idx", "dead_reason", "id", postgresql_where=sa.text(DEAD)),
+    # Dead letters by age (`dlq discard/redrive --older-than`): without it the planner reads
+    # them through queue_terminal_finished_idx, walking the done/failed history too.
+    sa.Index("queue_dead_finished_idx", "finished_at", postgresql_where=sa.text(DEAD)),
     # The queue table churns: vacuum it early and often so dead tuples never pile up.
     postgresql_with={
         "autovacuum_vacuum_scale_factor": "0.01",

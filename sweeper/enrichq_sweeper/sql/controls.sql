@@ -16,8 +16,11 @@
 --
 -- The filter block below is the same in every statement of a scope (the open scope reads
 -- reason and created_at, the dead scope dead_reason and finished_at); a test holds the
--- copies together. A criterion that is NULL is folded away when the statement is planned
--- with its parameters, so only the criteria given reach the plan.
+-- copies together. The batches leave out the `--id` criterion: a row's id never changes,
+-- the batch's ids come from the selection that applied it, and a second `id = ANY` next
+-- to :batch_ids made the planner scan the table sequentially. A criterion that is NULL is
+-- folded away when the statement is planned with its parameters, so only the criteria
+-- given reach the plan.
 
 
 -- name: controls_select_open
@@ -118,7 +121,6 @@ chosen AS (
     FROM enrichq.queue AS q
     WHERE q.id = ANY(CAST(:batch_ids AS bigint[]))
       AND q.state IN ('queued', 'leased')
-      AND (CAST(:ids AS bigint[]) IS NULL OR q.id = ANY(CAST(:ids AS bigint[])))
       AND (CAST(:keys AS text[]) IS NULL OR q.key = ANY(CAST(:keys AS text[])))
       AND (CAST(:tenant AS text) IS NULL OR q.tenant = CAST(:tenant AS text))
       AND (CAST(:kind AS text) IS NULL OR q.kind = CAST(:kind AS text))
@@ -150,7 +152,6 @@ WITH chosen AS (
     FROM enrichq.queue AS q
     WHERE q.id = ANY(CAST(:batch_ids AS bigint[]))
       AND q.state = 'dead_letter'
-      AND (CAST(:ids AS bigint[]) IS NULL OR q.id = ANY(CAST(:ids AS bigint[])))
       AND (CAST(:keys AS text[]) IS NULL OR q.key = ANY(CAST(:keys AS text[])))
       AND (CAST(:tenant AS text) IS NULL OR q.tenant = CAST(:tenant AS text))
       AND (CAST(:kind AS text) IS NULL OR q.kind = CAST(:kind AS text))
@@ -188,7 +189,6 @@ chosen AS (
     FROM enrichq.queue AS q
     JOIN batch AS b ON b.id = q.id
     WHERE q.state = 'dead_letter'
-      AND (CAST(:ids AS bigint[]) IS NULL OR q.id = ANY(CAST(:ids AS bigint[])))
       AND (CAST(:keys AS text[]) IS NULL OR q.key = ANY(CAST(:keys AS text[])))
       AND (CAST(:tenant AS text) IS NULL OR q.tenant = CAST(:tenant AS text))
       AND (CAST(:kind AS text) IS NULL OR q.kind = CAST(:kind AS text))

@@ -8,6 +8,10 @@
   A NOT VALID check would skip the scan, but `alembic check` (tests/migrations) then
   fails: SQLAlchemy 2.1 reflects such a constraint with a dialect option that Alembic
   1.20 cannot rebuild.
+- `queue_dead_finished_idx`: dead letters by finished_at, so `dlq discard/redrive
+  --older-than` reads dead letters only, not the done/failed history through
+  queue_terminal_finished_idx (EXPLAIN tests in tests/db/test_controls_plans.py). Built
+  in the migration's transaction: writes to the queue wait for one more read of the table.
 - `enrichq.audit_log`: every operator action (cancel, dlq discard, dlq redrive, pause,
   resume), listed by `enrichq audit`.
 - `enrichq.seen_events`: webhook event ids seen within ENRICHQ_EVENT_DEDUPE_HOURS, so a
@@ -54,6 +58,14 @@ def _replace_dead_reason_check(reasons: str) -> None:
 def upgrade() -> None:
     """Allow `cancelled`; create the audit log and the seen-event table."""
     _replace_dead_reason_check(DEAD_REASONS_AFTER)
+    op.create_index(
+        "queue_dead_finished_idx",
+        "queue",
+        ["finished_at"],
+        unique=False,
+        schema="enrichq",
+        postgresql_where=sa.text("state = 'dead_letter'"),
+    )
     op.create_table(
         "audit_log",
         sa.Column("id", sa.BigInteger(), sa.Identity(always=True), nullable=False),
@@ -116,6 +128,7 @@ def downgrade() -> None:
     op.drop_index("seen_events_seen_at_idx", table_name="seen_events", schema="enrichq")
     op.drop_table("seen_events", schema="enrichq")
     op.drop_table("audit_log", schema="enrichq")
+    op.drop_index("queue_dead_finished_idx", table_name="queue", schema="enrichq")
     op.execute(
         "DELETE FROM enrichq.queue WHERE state = 'dead_letter' AND dead_reason = 'cancelled'"
     )
