@@ -4,11 +4,13 @@ A ticket id such as ``"w\\x1b[2J\\nFAKE LOG LINE"`` would clear an operator's te
 forge a log line wherever it is printed raw. Ingest refuses control (Cc) and format (Cf)
 characters in ids and tenants (`unsafe_character`); rows stored before that check, and
 text that is not an id (errors, filters), are shown through `printable`, which writes such
-characters, and the line and paragraph separators, as Python escapes.
+characters, and the line and paragraph separators, as Python escapes; every log line of
+the command line's processes goes through `EscapingFormatter`.
 """
 
 from __future__ import annotations
 
+import logging
 import unicodedata
 
 # Refused in ticket ids, tenants and event ids: control characters (C0, DEL, C1: escapes,
@@ -39,3 +41,18 @@ def printable(value: object) -> str:
         else:
             out.append(char)
     return "".join(out)
+
+
+class EscapingFormatter(logging.Formatter):
+    """A log formatter that shows each message through `printable`: a record is always one
+    line, whatever its arguments hold (a ticket id cannot forge a second log line nor send
+    escapes to the terminal). A traceback, appended after the message, keeps its lines."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        safe = printable(message)
+        if safe == message:
+            return super().format(record)
+        copy = logging.makeLogRecord(record.__dict__)
+        copy.msg, copy.args = safe, None
+        return super().format(copy)

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 @dataclass
@@ -34,13 +35,15 @@ class Context:
     @property
     def settings(self) -> Settings:
         if self._settings is None:
+            from enrichq_schema.text import EscapingFormatter
             from enrichq_service.settings import Settings
 
             self._settings = Settings.load(self.config_file)
-            logging.basicConfig(
-                level=self._settings.log_level,
-                format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-            )
+            # every record one line, arguments escaped: keys stored before ingest refused
+            # control characters must not forge log lines nor reach the terminal raw
+            handler = logging.StreamHandler()
+            handler.setFormatter(EscapingFormatter(LOG_FORMAT))
+            logging.basicConfig(level=self._settings.log_level, handlers=[handler])
             # Alembic narrates every migration step at INFO; operators want the outcome.
             logging.getLogger("alembic").setLevel(logging.WARNING)
             logging.getLogger("httpx").setLevel(logging.WARNING)

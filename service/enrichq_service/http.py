@@ -1,17 +1,19 @@
 """HTTP ingest ``POST /v1/events``, ``/healthz``, ``/readyz`` and ``/metrics`` (DESIGN §6).
 
 FastAPI and uvicorn are imported only here, so commands that serve no HTTP never load them.
-A request is checked in this order: size, signature, timestamp, body; then every event is
-enqueued in one transaction, or none is.
+A request is checked in this order: size, signature, timestamp, media type (JSON only, 415
+otherwise), body; then every event is enqueued in one transaction, or none is.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import json
 import logging
 import re
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -41,8 +43,9 @@ from starlette.requests import ClientDisconnect
 
 from enrichq_schema.db import current_revision, head_revision
 from enrichq_schema.states import KEY_MAX_LENGTH, Kind
+from enrichq_schema.text import unsafe_character
 from enrichq_service import metrics, queue
-from enrichq_service.errors import ServiceError
+from enrichq_service.errors import ServiceError, SettingsError
 from enrichq_service.observe import register_queue_collector, set_build_info
 from enrichq_service.settings import Settings
 
@@ -51,7 +54,16 @@ log = logging.getLogger(__name__)
 TIMESTAMP_HEADER = "X-Enrichq-Timestamp"
 SIGNATURE_HEADER = "X-Enrichq-Signature"
 MAX_BATCH_EVENTS = 1000
-EVENT_RESULTS = ("accepted", "unauthorized", "stale", "too_large", "invalid", "unavailable")
+LISTEN_BACKLOG = 2048  # uvicorn's default
+EVENT_RESULTS = (
+    "accepted",
+    "unauthorized",
+    "stale",
+    "too_large",
+    "unsupported",
+    "invalid",
+    "unavailable",
+)
 # RFC 3339 date-time: a date, a time and a zone; pydantic parses the values.
 _RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d{1,9})?([Zz]|[+-]\d{2}:\d{2})")
 _UNIX_SECONDS = re.compile(r"\d{1,12}")
@@ -75,9 +87,14 @@ class Event(BaseModel):
 
     @field_validator("ticket_id", "tenant")
     @classmethod
-    def _not_blank(cls, value: str | None) -> str | None:
-        if value is not None and (not value.strip() or "\x00" in value):
-            raise ValueError("must not be blank or contain NUL characters")
+    def _printable(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        if not value.strip():
+            raise ValueError("must not be blank")
+        if (bad := unsafe_character(value)) is not None:
+            # terminal escapes, newlines (forged log lines), zero-width and bidi marks
+            raise ValueError(f"must not contain control or format characters ({bad})")
         return value
 
     @field_validator("occurred_at", mode="before")
@@ -185,6 +202,15 @@ def verify(
     return None
 
 
+def is_json(content_type: str | None) -> bool:
+    """Whether a Content-Type names JSON: application/json or application/<anything>+json,
+    parameters (charset) allowed."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
+
+
 def parse_events(body: bytes) -> list[Event] | Rejection:
     """The events of a body (one event or a batch), or why it is invalid."""
     try:
@@ -277,6 +303,7 @@ def _enqueue(
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "Missing, bad or stale signature."},
     413: {"model": ErrorBody, "description": "Body larger than ENRICHQ_MAX_BODY_BYTES."},
+    415: {"model": ErrorBody, "description": "Content-Type is not application/json."},
     422: {"model": ErrorBody, "description": "Not JSON, or not one event or a batch of them."},
     503: {"model": ErrorBody, "description": "The database is unavailable; nothing enqueued."},
 }
@@ -377,6 +404,8 @@ def create_app(settings: Settings, engine: sa.Engine) -> FastAPI:
         )
         if rejection is not None:
             return _refuse(rejection)
+        if not is_json(request.headers.get("content-type")):
+            return _refuse(Rejection(415, "unsupported", "Content-Type must be application/json"))
         events = parse_events(body)
         if isinstance(events, Rejection):
             return _refuse(events)
@@ -458,15 +487,48 @@ class ServerThread:
         self.thread.join(timeout)
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (port 0: a free one); SettingsError, one line, when
+    the address cannot be had, so `serve` on a port in use says so instead of a traceback."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restarts reuse TIME_WAIT
+    try:
+        sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise SettingsError(
+                f"ENRICHQ_HTTP_PORT: {host}:{port} is already in use (another enrichq serve?)"
+            ) from None
+        raise SettingsError(
+            f"ENRICHQ_HTTP_HOST/ENRICHQ_HTTP_PORT: cannot listen on {host}:{port} "
+            f"({exc.strerror or exc})"
+        ) from None
+    sock.setblocking(False)
+    return sock
+
+
 def start_server_thread(
-    app: FastAPI, *, host: str = "127.0.0.1", port: int = 0, timeout: float = 10.0
+    app: FastAPI,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    sock: socket.socket | None = None,
+    timeout: float = 10.0,
 ) -> ServerThread:
-    """Serve `app` with uvicorn in a daemon thread; port 0 picks a free one."""
+    """Serve `app` with uvicorn in a daemon thread on `sock`, or on a socket bound to
+    host:port here (port 0 picks a free one)."""
+    if sock is None:
+        sock = bind_socket(host, port)
     config = uvicorn.Config(
         app, host=host, port=port, log_level="warning", access_log=False, lifespan="off"
     )
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="enrichq-http", daemon=True)
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name="enrichq-http", daemon=True
+    )
     thread.start()
     deadline = time.monotonic() + timeout
     while not server.started:
@@ -474,5 +536,5 @@ def start_server_thread(
             server.should_exit = True
             raise ServiceError(f"the HTTP server did not start on {host}:{port}")
         time.sleep(0.01)
-    bound = server.servers[0].sockets[0].getsockname()[1]
+    bound = sock.getsockname()[1]
     return ServerThread(server, thread, host, int(bound))
