@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import SecretStr
@@ -112,7 +113,8 @@ def test_impossible_values_are_refused_naming_the_field(
     ],
 )
 def test_urls_enrichq_can_use_are_accepted(name: str, url: str) -> None:
-    assert getattr(Settings.load(**{name: url}), name) == url
+    overrides: dict[str, Any] = {name: url}
+    assert getattr(Settings.load(None, **overrides), name) == url
 
 
 def test_a_refused_url_never_shows_its_password(monkeypatch: pytest.MonkeyPatch) -> None:

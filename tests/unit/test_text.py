@@ -54,7 +54,7 @@ def test_enqueue_refuses_control_and_format_characters(
     fields: dict[str, str], message: str
 ) -> None:
     with pytest.raises(QueueInputError) as info:
-        EnqueueRequest.build(**fields)
+        EnqueueRequest.build(key=fields["key"], tenant=fields.get("tenant"))
     assert str(info.value) == message
 
 
