@@ -41,6 +41,8 @@ METRICS_PORT_DEFAULT = 9464
 PARITY_MIN_ORDER_COVERAGE_DEFAULT = 0.995
 PARITY_MIN_TICKET_MATCH_RATE_DEFAULT = 0.99
 PARITY_MAX_AGE_HOURS_DEFAULT = 24
+EVENT_DEDUPE_HOURS_DEFAULT = 24
+EVENT_DEDUPE_HOURS_MAX = 24 * 90
 BUILTIN_ENRICHER = "enrichq_service.enrich:warehouse_lookup"
 BUILTIN_GAVE_UP_HOOK = "enrichq_sweeper.recovery:log_gave_up"
 
@@ -133,10 +135,19 @@ class Settings(BaseSettings):
         default="legacy.ticket_orders", description="What the legacy flow wrote."
     )
     webhook_secret: SecretStr | None = Field(
-        default=None, description="HMAC key of POST /v1/events; unset refuses every event."
+        default=None,
+        description="HMAC keys of POST /v1/events, comma-separated (any one verifies, for "
+        "rotation); unset refuses every event.",
     )
     webhook_tolerance_seconds: float = Field(
         default=300, gt=0, description="Accepted clock skew of a signed event's timestamp."
+    )
+    event_dedupe_hours: float = Field(
+        default=EVENT_DEDUPE_HOURS_DEFAULT,
+        gt=0,
+        le=EVENT_DEDUPE_HOURS_MAX,
+        description="A webhook event id seen this recently is a redelivery: acknowledged, "
+        "not enqueued again.",
     )
     max_body_bytes: int = Field(
         default=1_048_576, ge=1024, description="Largest accepted POST /v1/events body."
@@ -212,6 +223,24 @@ class Settings(BaseSettings):
         else:
             _check_dialect(url)
         return value
+
+    @field_validator("webhook_secret")
+    @classmethod
+    def _secrets(cls, value: SecretStr | None) -> SecretStr | None:
+        # the message never repeats the value: it is a secret
+        if value is None:
+            return None
+        parts = value.get_secret_value().split(",")
+        if not all(p.strip() for p in parts):
+            raise ValueError("an empty secret (comma-separated secrets, none of them empty)")
+        return value
+
+    @property
+    def webhook_secrets(self) -> tuple[str, ...]:
+        """Every secret of ENRICHQ_WEBHOOK_SECRET, in order: a signature by any verifies."""
+        if self.webhook_secret is None:
+            return ()
+        return tuple(p.strip() for p in self.webhook_secret.get_secret_value().split(","))
 
     @field_validator("enricher", "gave_up_hook")
     @classmethod

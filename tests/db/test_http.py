@@ -115,7 +115,8 @@ def test_signed_event_is_queued_with_the_reason_delay_and_tenant(
         "accepted": 1,
         "inserted": 1,
         "merged": 0,
-        "results": [{"ticket_id": "T-1", "inserted": True, "id": row.id}],
+        "duplicates": 0,
+        "results": [{"ticket_id": "T-1", "inserted": True, "id": row.id, "duplicate": False}],
     }
     assert (row.kind, row.key, row.tenant, row.reason, row.state) == (
         "enrich",
@@ -162,15 +163,17 @@ def test_batch_with_a_duplicate_ticket_inserts_once_and_merges(
     assert answer["inserted"] == 2
     assert answer["merged"] == 1
     assert answer["results"] == [
-        {"ticket_id": "T-1", "inserted": True, "id": ids["T-1"]},
-        {"ticket_id": "T-2", "inserted": True, "id": ids["T-2"]},
-        {"ticket_id": "T-1", "inserted": False, "id": ids["T-1"]},
+        {"ticket_id": "T-1", "inserted": True, "id": ids["T-1"], "duplicate": False},
+        {"ticket_id": "T-2", "inserted": True, "id": ids["T-2"], "duplicate": False},
+        {"ticket_id": "T-1", "inserted": False, "id": ids["T-1"], "duplicate": False},
     ]
 
     # The same event again later merges into the queued row.
     body = encode(event("T-2", "created"))
     again = client.post(URL, content=body, headers=signed(body)).json()
-    assert again["results"] == [{"ticket_id": "T-2", "inserted": False, "id": ids["T-2"]}]
+    assert again["results"] == [
+        {"ticket_id": "T-2", "inserted": False, "id": ids["T-2"], "duplicate": False}
+    ]
     assert len(queue_rows(db_engine)) == 2
 
 
