@@ -318,7 +318,8 @@ STATEMENTS: dict[str, tuple[Queries, str, Callable[[History], dict[str, Any]], s
         OBSERVE_SQL,
         "observe_dead_letters_by_reason",
         lambda h: {},
-        {"queue_dead_reason_idx"},
+        # either dead-letter partial index (by reason, or by age since migration 0003)
+        set(),
         False,
     ),
 }
