@@ -131,7 +131,8 @@ def select(conn: sa.Connection, flt: Filter, *, now: datetime | None = None) -> 
         missing = [i for i in flt.ids if i not in found]
         if missing:
             listed = ", ".join(str(i) for i in missing[:MISSING_IDS_SHOWN])
-            more = f" (+{len(missing) - MISSING_IDS_SHOWN} more)" if len(missing) > 20 else ""
+            extra = len(missing) - MISSING_IDS_SHOWN
+            more = f" (+{extra} more)" if extra > 0 else ""
             what = "queued or leased" if flt.scope is Scope.OPEN else "dead letters"
             raise FilterError(f"not {what}: {listed}{more}")
     if flt.scope is Scope.OPEN:
