@@ -41,6 +41,17 @@ class DeadReason(StrEnum):
 
     ATTEMPTS_EXHAUSTED = "attempts_exhausted"
     SUPERSEDED = "superseded"
+    CANCELLED = "cancelled"  # by an operator (`enrichq cancel`)
+
+
+class AuditCommand(StrEnum):
+    """An operator action recorded in `enrichq.audit_log` (`enrichq audit` lists them)."""
+
+    CANCEL = "cancel"
+    DLQ_DISCARD = "dlq discard"
+    DLQ_REDRIVE = "dlq redrive"
+    PAUSE = "pause"
+    RESUME = "resume"
 
 
 class Outcome(StrEnum):
@@ -90,3 +101,5 @@ LOOKUP_STATUSES = ("ok", "empty", "not_found", "error", "deferred")
 # know that the row's previous attempt lost its process (a suspect, see isolate.py).
 LEASE_EXPIRED_ERROR = "lease expired"
 KEY_MAX_LENGTH = 200
+# A help-desk event id (the webhook's `id`, kept for redelivery dedupe) is bounded alike.
+EVENT_ID_MAX_LENGTH = 200

@@ -6,8 +6,10 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as pg
 
 from enrichq_schema.states import (
+    EVENT_ID_MAX_LENGTH,
     KEY_MAX_LENGTH,
     LOOKUP_STATUSES,
+    AuditCommand,
     Component,
     DeadReason,
     Plan,
@@ -306,4 +308,44 @@ cutover_events = sa.Table(
     sa.Column("at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
     sa.Column("note", sa.Text),
     sa.CheckConstraint("action IN ('cutover', 'rollback')", name="action_known"),
+)
+
+# Help-desk event ids seen by `POST /v1/events` within ENRICHQ_EVENT_DEDUPE_HOURS: a
+# redelivered event is acknowledged and enqueues nothing, even after its row was claimed,
+# done or pruned. The sweeper's retention pass deletes ids older than the window (by
+# seen_at, hence the index). queue_id is the row the event went into; it is no foreign key,
+# as queue rows are pruned long before anyone asks.
+seen_events = sa.Table(
+    "seen_events",
+    metadata,
+    sa.Column("event_id", sa.Text, primary_key=True),
+    sa.Column("seen_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+    sa.Column("queue_id", sa.BigInteger),
+    sa.CheckConstraint(
+        f"char_length(event_id) BETWEEN 1 AND {EVENT_ID_MAX_LENGTH}", name="event_id_length"
+    ),
+    sa.Index("seen_events_seen_at_idx", "seen_at"),
+)
+
+# Every operator action on the queue (cancel, dlq discard, dlq redrive, pause, resume): who,
+# from where, when, the filter it was given (JSON), and how many rows it changed.
+# A batched action opens its row first (finished_at NULL) and adds each batch's rows in that
+# batch's own transaction, so the row always says what was committed; an action that was
+# interrupted keeps finished_at NULL. Listed newest first by `enrichq audit` (by id).
+audit_log = sa.Table(
+    "audit_log",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(always=True), primary_key=True),
+    sa.Column("at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+    sa.Column("finished_at", sa.DateTime(timezone=True)),
+    sa.Column("actor", sa.Text, nullable=False),
+    sa.Column("origin", sa.Text, nullable=False),
+    sa.Column("command", sa.Text, nullable=False),
+    sa.Column("filter", pg.JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    sa.Column("rows_affected", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("detail", pg.JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    sa.Column("note", sa.Text),
+    sa.CheckConstraint(_one_of("command", AuditCommand), name="command_known"),
+    sa.CheckConstraint("rows_affected >= 0", name="rows_affected_non_negative"),
+    sa.CheckConstraint("finished_at IS NULL OR finished_at >= at", name="finished_after_start"),
 )

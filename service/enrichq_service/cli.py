@@ -6,13 +6,14 @@ import contextlib
 import json
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
+from enrichq_schema.states import AuditCommand, DeadReason, Kind, Reason
 from enrichq_service.errors import SettingsError
 
 if TYPE_CHECKING:
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 @dataclass
@@ -33,13 +35,15 @@ class Context:
     @property
     def settings(self) -> Settings:
         if self._settings is None:
+            from enrichq_schema.text import EscapingFormatter
             from enrichq_service.settings import Settings
 
             self._settings = Settings.load(self.config_file)
-            logging.basicConfig(
-                level=self._settings.log_level,
-                format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-            )
+            # every record one line, arguments escaped: keys stored before ingest refused
+            # control characters must not forge log lines nor reach the terminal raw
+            handler = logging.StreamHandler()
+            handler.setFormatter(EscapingFormatter(LOG_FORMAT))
+            logging.basicConfig(level=self._settings.log_level, handlers=[handler])
             # Alembic narrates every migration step at INFO; operators want the outcome.
             logging.getLogger("alembic").setLevel(logging.WARNING)
             logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -192,11 +196,11 @@ def sweep(ctx: Context, once: bool) -> None:
 
 @cli.group()
 def dlq() -> None:
-    """Inspect and redrive dead letters."""
+    """Inspect, redrive and discard dead letters."""
 
 
 @dlq.command("list")
-@click.option("--reason", type=click.Choice(["attempts_exhausted", "superseded"]))
+@click.option("--reason", type=click.Choice([r.value for r in DeadReason]))
 @click.option("--limit", type=click.IntRange(min=1, max=10_000), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON lines.")
 @pass_context
@@ -209,24 +213,140 @@ def dlq_list(ctx: Context, reason: str | None, limit: int, as_json: bool) -> Non
         list_cli(settings, url, reason=reason, limit=limit, as_json=as_json)
 
 
-@dlq.command("redrive")
-@click.option("--id", "ids", type=click.IntRange(min=1), multiple=True, help="Row id (repeat).")
-@click.option("--reason", type=click.Choice(["attempts_exhausted", "superseded"]))
-@click.option("--all", "all_rows", is_flag=True, help="Every dead letter.")
-@click.option("--dry-run", is_flag=True, help="Say what would be redriven; change nothing.")
-@pass_context
-def dlq_redrive(
-    ctx: Context, ids: tuple[int, ...], reason: str | None, all_rows: bool, dry_run: bool
+# -- operator controls: one filter language for cancel, dlq discard and dlq redrive
+
+FILTER_HELP = """
+FILTER is any combination of --id (repeatable), --key (repeatable), --tenant, --kind,
+--reason and --older-than, all of which must hold (repeated values: any of them), or --all
+alone. A dry run prints how many rows match and a sample, and changes nothing. The rows
+that match when the command starts are worked in batches, each its own transaction, and
+the action is recorded in the audit log (`enrichq audit`).
+"""
+
+
+def filter_options(
+    reasons: list[str], reason_help: str, older_help: str
+) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """The options every filtered action takes (enrichq_sweeper.filters reads them)."""
+    options = [
+        click.option(
+            "--id", "ids", type=click.IntRange(min=1), multiple=True, help="Row id (repeat)."
+        ),
+        click.option("--key", "keys", multiple=True, help="Ticket id (repeat)."),
+        click.option("--tenant", default=None, help="Brand or account."),
+        click.option("--kind", type=click.Choice([k.value for k in Kind]), default=None),
+        click.option("--reason", type=click.Choice(reasons), default=None, help=reason_help),
+        click.option("--older-than", metavar="DURATION", default=None, help=older_help),
+        click.option("--all", "all_rows", is_flag=True, help="Every row (alone)."),
+        click.option("--dry-run", is_flag=True, help="Count and show a sample; change nothing."),
+        click.option("--actor", default=None, help="Who does this (default: the OS user)."),
+        click.option("--json", "as_json", is_flag=True, help="Print the result as JSON."),
+    ]
+
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return decorate
+
+
+def _control(
+    ctx: Context,
+    command: str,
+    options: dict[str, Any],
 ) -> None:
-    """Put dead letters back in the queue with fresh attempts (merging like enqueue)."""
-    chosen = sum([bool(ids), reason is not None, all_rows])
-    if chosen != 1:
-        fail("dlq redrive: give exactly one of --id, --reason or --all")
-    from enrichq_sweeper.dlq import redrive_cli
+    """Parse the filter (bad input: one line, exit 2, before any connection), then act."""
+    from enrichq_schema.audit import AuditInputError, check_actor, default_actor
+    from enrichq_schema.states import AuditCommand
+    from enrichq_sweeper.controls import SCOPE_OF, run_cli
+    from enrichq_sweeper.errors import FilterError
+    from enrichq_sweeper.filters import Filter
+
+    action = AuditCommand(command)
+    try:
+        flt = Filter.build(
+            SCOPE_OF[action],
+            ids=options["ids"],
+            keys=options["keys"],
+            tenant=options["tenant"],
+            kind=options["kind"],
+            reason=options["reason"],
+            older_than=options["older_than"],
+            all_rows=options["all_rows"],
+        )
+        actor = check_actor(options["actor"] or default_actor())
+    except (FilterError, AuditInputError) as exc:
+        fail(f"{command}: {exc}")
+    settings = ctx.settings
+    with ctx.database() as url:
+        run_cli(
+            settings,
+            url,
+            action,
+            flt,
+            actor=actor,
+            dry_run=options["dry_run"],
+            as_json=options["as_json"],
+        )
+
+
+@dlq.command("redrive", epilog=FILTER_HELP)
+@filter_options(
+    [r.value for r in DeadReason],
+    "Why it died.",
+    "Dead-lettered more than DURATION ago (90m, 2h, 7d).",
+)
+@pass_context
+def dlq_redrive(ctx: Context, /, **options: Any) -> None:
+    """Put dead letters matching FILTER back in the queue with fresh attempts.
+
+    Per ticket the newest matching dead letter is queued again (visible now, reason
+    redrive); the others stay dead, merged into it or into the ticket's queued row.
+    """
+    _control(ctx, "dlq redrive", options)
+
+
+@dlq.command("discard", epilog=FILTER_HELP)
+@filter_options(
+    [r.value for r in DeadReason],
+    "Why it died.",
+    "Dead-lettered more than DURATION ago (90m, 2h, 7d).",
+)
+@pass_context
+def dlq_discard(ctx: Context, /, **options: Any) -> None:
+    """Delete dead letters matching FILTER (for good: there is no undo)."""
+    _control(ctx, "dlq discard", options)
+
+
+@cli.command(epilog=FILTER_HELP)
+@filter_options(
+    [r.value for r in Reason],
+    "Why it was enqueued.",
+    "Enqueued more than DURATION ago (90m, 2h, 7d).",
+)
+@pass_context
+def cancel(ctx: Context, /, **options: Any) -> None:
+    """Cancel queued and leased rows matching FILTER: they become dead letters (cancelled).
+
+    A cancelled row that a worker holds is fenced: the worker's heartbeat and result are
+    refused, so nothing it computes is written. Redrive brings cancelled rows back.
+    """
+    _control(ctx, "cancel", options)
+
+
+@cli.command()
+@click.option("--limit", type=click.IntRange(min=1, max=10_000), default=50, show_default=True)
+@click.option("--command", "command", type=click.Choice([c.value for c in AuditCommand]))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON lines.")
+@pass_context
+def audit(ctx: Context, limit: int, command: str | None, as_json: bool) -> None:
+    """Operator actions (cancel, dlq discard/redrive, pause, resume), newest first."""
+    from enrichq_service.audit import list_cli
 
     settings = ctx.settings
     with ctx.database() as url:
-        redrive_cli(settings, url, ids=list(ids), reason=reason, all_rows=all_rows, dry_run=dry_run)
+        list_cli(settings, url, limit=limit, command=command, as_json=as_json)
 
 
 def _parse_day(value: str | None, name: str) -> Any:

@@ -1,17 +1,19 @@
 """HTTP ingest ``POST /v1/events``, ``/healthz``, ``/readyz`` and ``/metrics`` (DESIGN §6).
 
 FastAPI and uvicorn are imported only here, so commands that serve no HTTP never load them.
-A request is checked in this order: size, signature, timestamp, body; then every event is
-enqueued in one transaction, or none is.
+A request is checked in this order: size, signature, timestamp, media type (JSON only, 415
+otherwise), body; then every event is enqueued in one transaction, or none is.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import json
 import logging
 import re
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -40,9 +42,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from enrichq_schema.db import current_revision, head_revision
-from enrichq_schema.states import KEY_MAX_LENGTH, Kind
+from enrichq_schema.states import EVENT_ID_MAX_LENGTH, KEY_MAX_LENGTH, Kind
+from enrichq_schema.text import unsafe_character
+from enrichq_service import events as ingest
 from enrichq_service import metrics, queue
-from enrichq_service.errors import ServiceError
+from enrichq_service.errors import ServiceError, SettingsError
 from enrichq_service.observe import register_queue_collector, set_build_info
 from enrichq_service.settings import Settings
 
@@ -51,7 +55,18 @@ log = logging.getLogger(__name__)
 TIMESTAMP_HEADER = "X-Enrichq-Timestamp"
 SIGNATURE_HEADER = "X-Enrichq-Signature"
 MAX_BATCH_EVENTS = 1000
-EVENT_RESULTS = ("accepted", "unauthorized", "stale", "too_large", "invalid", "unavailable")
+LISTEN_BACKLOG = 2048  # uvicorn's default
+RETRY_AFTER_SECONDS = 5  # what a 503 asks the sender to wait
+EVENT_RESULTS = (
+    "accepted",
+    "duplicate",
+    "unauthorized",
+    "stale",
+    "too_large",
+    "unsupported",
+    "invalid",
+    "unavailable",
+)
 # RFC 3339 date-time: a date, a time and a zone; pydantic parses the values.
 _RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d{1,9})?([Zz]|[+-]\d{2}:\d{2})")
 _UNIX_SECONDS = re.compile(r"\d{1,12}")
@@ -63,6 +78,13 @@ class Event(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    id: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=EVENT_ID_MAX_LENGTH,
+        description="The help desk's event id. A redelivery of an id seen within "
+        "ENRICHQ_EVENT_DEDUPE_HOURS is acknowledged as a duplicate and enqueues nothing.",
+    )
     ticket_id: str = Field(
         min_length=1, max_length=KEY_MAX_LENGTH, description="The help desk's ticket id."
     )
@@ -73,11 +95,16 @@ class Event(BaseModel):
     occurred_at: AwareDatetime = Field(description="When it happened (RFC 3339, with a zone).")
     payload: dict[str, Any] | None = Field(default=None, description="Kept on the queue row.")
 
-    @field_validator("ticket_id", "tenant")
+    @field_validator("id", "ticket_id", "tenant")
     @classmethod
-    def _not_blank(cls, value: str | None) -> str | None:
-        if value is not None and (not value.strip() or "\x00" in value):
-            raise ValueError("must not be blank or contain NUL characters")
+    def _printable(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        if not value.strip():
+            raise ValueError("must not be blank")
+        if (bad := unsafe_character(value)) is not None:
+            # terminal escapes, newlines (forged log lines), zero-width and bidi marks
+            raise ValueError(f"must not contain control or format characters ({bad})")
         return value
 
     @field_validator("occurred_at", mode="before")
@@ -107,19 +134,23 @@ class EventBatch(BaseModel):
 
 
 class EventResult(BaseModel):
-    """What became of one event: a new queued row, or merged into the one already queued."""
+    """What became of one event: a new queued row, merged into the one already queued, or
+    a duplicate (its event id was seen recently: nothing enqueued; `id` is the row the
+    first delivery went into, when known)."""
 
     ticket_id: str
     inserted: bool
     id: int | None
+    duplicate: bool = False
 
 
 class Accepted(BaseModel):
-    """Every event of the request is in the queue."""
+    """Every event of the request is in the queue, or was already (duplicates)."""
 
     accepted: int
     inserted: int
     merged: int
+    duplicates: int = 0
     results: list[EventResult]
 
 
@@ -151,7 +182,7 @@ def sign(secret: str, timestamp: int | str, body: bytes) -> str:
 
 
 def verify(
-    secret: str | None,
+    secrets: Sequence[str] | str | None,
     timestamp: str | None,
     signature: str | None,
     body: bytes,
@@ -159,8 +190,11 @@ def verify(
     now: float,
     tolerance_seconds: float,
 ) -> Rejection | None:
-    """None when `signature` signs `body` at a `timestamp` within tolerance of `now`."""
-    if not secret:
+    """None when `signature` signs `body` at a `timestamp` within tolerance of `now`, with
+    any one of `secrets` (several during a key rotation)."""
+    if isinstance(secrets, str):
+        secrets = [secrets]
+    if not secrets:
         return Rejection(
             401,
             "unauthorized",
@@ -170,9 +204,15 @@ def verify(
         return Rejection(
             401, "unauthorized", f"missing {TIMESTAMP_HEADER} or {SIGNATURE_HEADER} header"
         )
-    expected = sign(secret, timestamp.strip(), body) if timestamp.isascii() else ""
     given = signature.strip().lower().encode("utf-8", "replace")
-    if not expected or not hmac.compare_digest(expected.encode("ascii"), given):
+    # every secret is compared (a list, not any() over a generator), so the time taken
+    # does not say which one matched
+    matches = [
+        hmac.compare_digest(sign(secret, timestamp.strip(), body).encode("ascii"), given)
+        for secret in secrets
+        if timestamp.isascii()
+    ]
+    if not any(matches):
         return Rejection(401, "unauthorized", "signature does not match")
     if not _UNIX_SECONDS.fullmatch(timestamp.strip()):
         return Rejection(401, "unauthorized", f"{TIMESTAMP_HEADER} must be unix seconds")
@@ -183,6 +223,15 @@ def verify(
             f"timestamp outside the ±{tolerance_seconds:g} s tolerance (replayed or clock skew)",
         )
     return None
+
+
+def is_json(content_type: str | None) -> bool:
+    """Whether a Content-Type names JSON: application/json or application/<anything>+json,
+    parameters (charset) allowed."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
 
 
 def parse_events(body: bytes) -> list[Event] | Rejection:
@@ -201,23 +250,22 @@ def parse_events(body: bytes) -> list[Event] | Rejection:
     return _invalid('body must be a JSON object: one event or {"events": [...]}')
 
 
-def to_requests(events: Sequence[Event]) -> list[queue.EnqueueRequest] | Rejection:
-    """The enqueue requests of valid events (the queue's own checks may still refuse one)."""
-    out: list[queue.EnqueueRequest] = []
+def to_requests(events: Sequence[Event]) -> list[ingest.Delivery] | Rejection:
+    """The deliveries of valid events (the queue's own checks may still refuse one)."""
+    out: list[ingest.Delivery] = []
     for i, event in enumerate(events):
         payload: dict[str, Any] = {"occurred_at": event.occurred_at.isoformat()}
         if event.payload is not None:
             payload["payload"] = event.payload
         try:
-            out.append(
-                queue.EnqueueRequest.build(
-                    key=event.ticket_id,
-                    kind=Kind.ENRICH.value,
-                    reason=event.type,
-                    tenant=event.tenant,
-                    payload=payload,
-                )
+            request = queue.EnqueueRequest.build(
+                key=event.ticket_id,
+                kind=Kind.ENRICH.value,
+                reason=event.type,
+                tenant=event.tenant,
+                payload=payload,
             )
+            out.append(ingest.Delivery(event.id, request))
         except queue.QueueInputError as exc:
             where = f"events[{i}]." if len(events) > 1 else ""
             return _invalid(f"{where}{exc}")
@@ -242,7 +290,9 @@ def _invalid(detail: str) -> Rejection:
 
 def _refuse(rejection: Rejection) -> JSONResponse:
     metrics.events_total.labels(rejection.result).inc()
-    return JSONResponse({"detail": rejection.detail}, status_code=rejection.status)
+    # a 503 says when to try again: the help desk redelivers, and redelivery is harmless
+    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if rejection.status == 503 else None
+    return JSONResponse({"detail": rejection.detail}, status_code=rejection.status, headers=headers)
 
 
 async def _read_capped(request: Request, limit: int) -> bytes | None:
@@ -258,12 +308,12 @@ async def _read_capped(request: Request, limit: int) -> bytes | None:
 
 
 def _enqueue(
-    engine: sa.Engine, settings: Settings, requests: list[queue.EnqueueRequest]
-) -> list[queue.EnqueueResult] | Rejection:
-    """Enqueue every request in one transaction."""
+    engine: sa.Engine, settings: Settings, deliveries: list[ingest.Delivery]
+) -> list[ingest.Outcome] | Rejection:
+    """Enqueue every delivery that is not a redelivery, in one transaction."""
     try:
         with engine.begin() as conn:
-            return queue.enqueue(conn, requests, settings=settings)
+            return ingest.enqueue(conn, deliveries, settings=settings)
     except sa.exc.DataError as exc:
         # Input our checks let through and Postgres refused: the client's fault, not ours.
         log.warning("the database refused an event: %s", type(exc.orig).__name__)
@@ -277,8 +327,19 @@ def _enqueue(
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "Missing, bad or stale signature."},
     413: {"model": ErrorBody, "description": "Body larger than ENRICHQ_MAX_BODY_BYTES."},
+    415: {"model": ErrorBody, "description": "Content-Type is not application/json."},
     422: {"model": ErrorBody, "description": "Not JSON, or not one event or a batch of them."},
-    503: {"model": ErrorBody, "description": "The database is unavailable; nothing enqueued."},
+    503: {
+        "model": ErrorBody,
+        "description": "The database is unavailable; nothing enqueued. Retry after the "
+        "Retry-After header's seconds.",
+        "headers": {
+            "Retry-After": {
+                "description": "Seconds to wait before retrying.",
+                "schema": {"type": "integer"},
+            }
+        },
+    },
 }
 
 
@@ -302,7 +363,7 @@ def create_app(settings: Settings, engine: sa.Engine) -> FastAPI:
     register_queue_collector(engine)
     for result in EVENT_RESULTS:
         metrics.events_total.labels(result)
-    secret = settings.webhook_secret.get_secret_value() if settings.webhook_secret else None
+    secrets = settings.webhook_secrets
     limit = settings.max_body_bytes
     head = head_revision()
 
@@ -368,7 +429,7 @@ def create_app(settings: Settings, engine: sa.Engine) -> FastAPI:
         if body is None:
             return _refuse(too_large)
         rejection = verify(
-            secret,
+            secrets,
             request.headers.get(TIMESTAMP_HEADER),
             request.headers.get(SIGNATURE_HEADER),
             body,
@@ -377,6 +438,8 @@ def create_app(settings: Settings, engine: sa.Engine) -> FastAPI:
         )
         if rejection is not None:
             return _refuse(rejection)
+        if not is_json(request.headers.get("content-type")):
+            return _refuse(Rejection(415, "unsupported", "Content-Type must be application/json"))
         events = parse_events(body)
         if isinstance(events, Rejection):
             return _refuse(events)
@@ -387,13 +450,18 @@ def create_app(settings: Settings, engine: sa.Engine) -> FastAPI:
         if isinstance(results, Rejection):
             return _refuse(results)
         inserted = sum(r.inserted for r in results)
-        metrics.events_total.labels("accepted").inc(len(results))
+        duplicates = sum(r.duplicate for r in results)
+        metrics.events_total.labels("accepted").inc(len(results) - duplicates)
+        metrics.events_total.labels("duplicate").inc(duplicates)
         answer = Accepted(
             accepted=len(results),
             inserted=inserted,
-            merged=len(results) - inserted,
+            merged=len(results) - inserted - duplicates,
+            duplicates=duplicates,
             results=[
-                EventResult(ticket_id=e.ticket_id, inserted=r.inserted, id=r.id)
+                EventResult(
+                    ticket_id=e.ticket_id, inserted=r.inserted, id=r.id, duplicate=r.duplicate
+                )
                 for e, r in zip(events, results, strict=True)
             ],
         )
@@ -415,7 +483,11 @@ def create_app(settings: Settings, engine: sa.Engine) -> FastAPI:
                 revision = current_revision(conn)
         except sa.exc.SQLAlchemyError as exc:
             cause = type(getattr(exc, "orig", None) or exc).__name__
-            return JSONResponse({"detail": f"database unreachable ({cause})"}, status_code=503)
+            return JSONResponse(
+                {"detail": f"database unreachable ({cause})"},
+                status_code=503,
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            )
         if revision != head:
             return JSONResponse(
                 {
@@ -458,15 +530,48 @@ class ServerThread:
         self.thread.join(timeout)
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (port 0: a free one); SettingsError, one line, when
+    the address cannot be had, so `serve` on a port in use says so instead of a traceback."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restarts reuse TIME_WAIT
+    try:
+        sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise SettingsError(
+                f"ENRICHQ_HTTP_PORT: {host}:{port} is already in use (another enrichq serve?)"
+            ) from None
+        raise SettingsError(
+            f"ENRICHQ_HTTP_HOST/ENRICHQ_HTTP_PORT: cannot listen on {host}:{port} "
+            f"({exc.strerror or exc})"
+        ) from None
+    sock.setblocking(False)
+    return sock
+
+
 def start_server_thread(
-    app: FastAPI, *, host: str = "127.0.0.1", port: int = 0, timeout: float = 10.0
+    app: FastAPI,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    sock: socket.socket | None = None,
+    timeout: float = 10.0,
 ) -> ServerThread:
-    """Serve `app` with uvicorn in a daemon thread; port 0 picks a free one."""
+    """Serve `app` with uvicorn in a daemon thread on `sock`, or on a socket bound to
+    host:port here (port 0 picks a free one)."""
+    if sock is None:
+        sock = bind_socket(host, port)
     config = uvicorn.Config(
         app, host=host, port=port, log_level="warning", access_log=False, lifespan="off"
     )
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="enrichq-http", daemon=True)
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name="enrichq-http", daemon=True
+    )
     thread.start()
     deadline = time.monotonic() + timeout
     while not server.started:
@@ -474,5 +579,5 @@ def start_server_thread(
             server.should_exit = True
             raise ServiceError(f"the HTTP server did not start on {host}:{port}")
         time.sleep(0.01)
-    bound = server.servers[0].sockets[0].getsockname()[1]
+    bound = sock.getsockname()[1]
     return ServerThread(server, thread, host, int(bound))

@@ -28,6 +28,7 @@ from enrichq_schema.states import (
     Reason,
     State,
 )
+from enrichq_schema.text import unsafe_character
 from enrichq_service import metrics
 from enrichq_service.errors import ServiceError
 from enrichq_service.settings import PRIORITY_AGING_SECONDS_DEFAULT
@@ -78,8 +79,13 @@ class EnqueueRequest:
             raise QueueInputError("key: must be a non-empty string")
         if len(key) > KEY_MAX_LENGTH:
             raise QueueInputError(f"key: longer than {KEY_MAX_LENGTH} characters")
-        if "\x00" in key or (tenant is not None and "\x00" in tenant):
-            raise QueueInputError("key/tenant: must not contain NUL characters")
+        # control and format characters (NUL, escapes, newlines, zero-width and bidi
+        # marks) would reach terminals and logs wherever the key or tenant is shown
+        for name, value in (("key", key), ("tenant", tenant)):
+            if value is not None and (bad := unsafe_character(value)) is not None:
+                raise QueueInputError(
+                    f"{name}: must not contain control or format characters ({bad})"
+                )
         if kind not in ALL_KINDS:
             raise QueueInputError(f"kind: {kind!r} is not one of {', '.join(Kind)}")
         if reason not in {r.value for r in Reason}:

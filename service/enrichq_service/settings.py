@@ -5,9 +5,10 @@ One ``Settings`` object is built in ``main()`` and passed down; nothing here run
 
 from __future__ import annotations
 
+import functools
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
@@ -18,6 +19,9 @@ from pydantic_settings import (
 )
 
 from enrichq_service.errors import SettingsError
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import URL
 
 LEASE_SECONDS_DEFAULT = 60
 HEARTBEAT_SECONDS_DEFAULT = 15
@@ -38,6 +42,8 @@ PARITY_MIN_ORDER_COVERAGE_DEFAULT = 0.995
 PARITY_MIN_TICKET_MATCH_RATE_DEFAULT = 0.99
 PARITY_MAX_AGE_HOURS_DEFAULT = 24
 PRIORITY_AGING_SECONDS_DEFAULT = 600
+EVENT_DEDUPE_HOURS_DEFAULT = 24
+EVENT_DEDUPE_HOURS_MAX = 24 * 90
 BUILTIN_ENRICHER = "enrichq_service.enrich:warehouse_lookup"
 BUILTIN_GAVE_UP_HOOK = "enrichq_sweeper.recovery:log_gave_up"
 
@@ -135,10 +141,19 @@ class Settings(BaseSettings):
         default="legacy.ticket_orders", description="What the legacy flow wrote."
     )
     webhook_secret: SecretStr | None = Field(
-        default=None, description="HMAC key of POST /v1/events; unset refuses every event."
+        default=None,
+        description="HMAC keys of POST /v1/events, comma-separated (any one verifies, for "
+        "rotation); unset refuses every event.",
     )
     webhook_tolerance_seconds: float = Field(
         default=300, gt=0, description="Accepted clock skew of a signed event's timestamp."
+    )
+    event_dedupe_hours: float = Field(
+        default=EVENT_DEDUPE_HOURS_DEFAULT,
+        gt=0,
+        le=EVENT_DEDUPE_HOURS_MAX,
+        description="A webhook event id seen this recently is a redelivery: acknowledged, "
+        "not enqueued again.",
     )
     max_body_bytes: int = Field(
         default=1_048_576, ge=1024, description="Largest accepted POST /v1/events body."
@@ -192,18 +207,46 @@ class Settings(BaseSettings):
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=cls._toml_file))
         return tuple(sources)
 
-    @field_validator("database_url", "warehouse_url", "parity_database_url")
+    @field_validator("database_url", "parity_database_url")
     @classmethod
-    def _url_parses(cls, value: str | None) -> str | None:
+    def _postgres_url(cls, value: str | None) -> str | None:
+        # enrichq's own tables, and what parity reads, live in PostgreSQL (psycopg 3)
         if value in (None, ""):
             return None
-        from sqlalchemy.engine import make_url
-
-        try:
-            make_url(value)
-        except Exception as exc:
-            raise ValueError("not a database URL (expected postgresql+psycopg://...)") from exc
+        url = _parse_url(value)
+        _check_postgres(url)
         return value
+
+    @field_validator("warehouse_url")
+    @classmethod
+    def _warehouse_url(cls, value: str | None) -> str | None:
+        # any SQLAlchemy dialect, as long as it (and its driver) is installed
+        if value in (None, ""):
+            return None
+        url = _parse_url(value)
+        if url.get_backend_name() in {"postgresql", "postgres"}:
+            _check_postgres(url)
+        else:
+            _check_dialect(url)
+        return value
+
+    @field_validator("webhook_secret")
+    @classmethod
+    def _secrets(cls, value: SecretStr | None) -> SecretStr | None:
+        # the message never repeats the value: it is a secret
+        if value is None:
+            return None
+        parts = value.get_secret_value().split(",")
+        if not all(p.strip() for p in parts):
+            raise ValueError("an empty secret (comma-separated secrets, none of them empty)")
+        return value
+
+    @property
+    def webhook_secrets(self) -> tuple[str, ...]:
+        """Every secret of ENRICHQ_WEBHOOK_SECRET, in order: a signature by any verifies."""
+        if self.webhook_secret is None:
+            return ()
+        return tuple(p.strip() for p in self.webhook_secret.get_secret_value().split(","))
 
     @field_validator("enricher", "gave_up_hook")
     @classmethod
@@ -244,8 +287,8 @@ class Settings(BaseSettings):
     @classmethod
     def load(cls, config_file: Path | None = None, **overrides: Any) -> Settings:
         """Build the settings from overrides, the environment and an optional TOML file."""
-        if config_file is not None and not config_file.is_file():
-            raise SettingsError(f"config file {config_file}: not found")
+        if config_file is not None:
+            _check_toml(config_file)
         cls._toml_file = config_file
         try:
             return cls(**overrides)
@@ -267,6 +310,86 @@ class Settings(BaseSettings):
             else:
                 out[name] = value.value if isinstance(value, StrEnum) else value
         return out
+
+
+def _check_toml(path: Path) -> None:
+    """A config file that exists and is TOML; else SettingsError naming it and the line."""
+    import tomllib
+
+    if not path.is_file():
+        raise SettingsError(f"config file {path}: not found")
+    try:
+        tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:  # its message ends in "(at line L, column C)"
+        raise SettingsError(f"config file {path}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError:
+        raise SettingsError(f"config file {path}: not UTF-8 text") from None
+    except OSError as exc:
+        raise SettingsError(f"config file {path}: cannot be read ({exc.strerror})") from None
+
+
+def _parse_url(value: str) -> URL:
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(value)
+    except Exception as exc:
+        raise ValueError("not a database URL (expected postgresql+psycopg://...)") from exc
+
+
+@functools.cache
+def _libpq_options() -> frozenset[str]:
+    """Every connection option libpq knows (what a postgresql:// URL's query may set)."""
+    import psycopg
+
+    return frozenset(o.keyword.decode() for o in psycopg.pq.Conninfo.get_defaults())
+
+
+def _check_postgres(url: URL) -> None:
+    """A PostgreSQL URL whose query options libpq knows (never the password in a message)."""
+    backend = url.get_backend_name()
+    if backend == "postgres":
+        raise ValueError("write postgresql://, not postgres:// (SQLAlchemy knows only the former)")
+    if backend != "postgresql":
+        raise ValueError(
+            f"enrichq keeps its queue in PostgreSQL: expected postgresql://..., not {backend}://"
+        )
+    unknown = sorted(set(url.query) - _libpq_options())
+    if unknown:
+        names = ", ".join(repr(name) for name in unknown)
+        raise ValueError(
+            f"unknown connection option {names} (libpq options only, such as sslmode, "
+            "connect_timeout, application_name)"
+        )
+
+
+def _check_dialect(url: URL) -> None:
+    """The URL's SQLAlchemy dialect is installed, and for SQLAlchemy's own dialects, its
+    driver too. A third-party dialect (BigQuery, DuckDB) is found by its entry point, not
+    imported: its driver loads with it when the warehouse is first used, and importing it
+    here would slow every command down."""
+    from importlib.metadata import entry_points
+
+    import sqlalchemy.dialects
+    from sqlalchemy.exc import NoSuchModuleError
+
+    backend = url.get_backend_name()
+    plugins = {ep.name for ep in entry_points(group="sqlalchemy.dialects")}
+    if backend not in sqlalchemy.dialects.__all__:
+        if backend in plugins or url.drivername.replace("+", ".") in plugins:
+            return
+        raise ValueError(
+            f"no SQLAlchemy dialect for {backend}:// is installed (install its package, "
+            "e.g. sqlalchemy-bigquery or duckdb-engine)"
+        )
+    try:
+        url.get_dialect().import_dbapi()
+    except NoSuchModuleError:
+        raise ValueError(f"SQLAlchemy has no driver {url.drivername!r}") from None
+    except ImportError as exc:
+        raise ValueError(
+            f"the database driver of {url.drivername}:// is not installed ({exc})"
+        ) from None
 
 
 def describe_validation_error(exc: ValidationError) -> str:

@@ -13,5 +13,9 @@ class HookError(SweeperError):
     """The gave-up hook cannot be loaded."""
 
 
-class DlqInputError(SweeperError):
+class FilterError(SweeperError):
+    """Bad selection of queue rows."""
+
+
+class DlqInputError(FilterError):
     """Bad dead-letter selection."""

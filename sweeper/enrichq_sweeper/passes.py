@@ -185,6 +185,7 @@ def retention_pass(
             now=now,
             statement_timeout_seconds=settings.statement_timeout_seconds,
             should_stop=should_stop,
+            event_dedupe_hours=settings.event_dedupe_hours,
         )
         for state in ("done", "failed", "dead_letter"):
             metrics.sweeper_pruned_total.labels(state).inc(getattr(result, state))
@@ -198,6 +199,7 @@ def retention_pass(
             "tenant_served": result.tenant_served,
             "lookup_log": result.lookup_log,
             "runs": result.runs,
+            "seen_events": result.seen_events,
             "batches": result.batches,
             "max_batch_seconds": round(result.max_batch_seconds, 6),
         }

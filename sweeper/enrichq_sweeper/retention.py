@@ -14,6 +14,8 @@ from datetime import datetime
 
 import sqlalchemy as sa
 
+from enrichq_schema.queries import load
+from enrichq_service.settings import EVENT_DEDUPE_HOURS_DEFAULT
 from enrichq_sweeper.common import (
     DEFAULT_BATCH_SIZE,
     STATEMENT_TIMEOUT_SECONDS_DEFAULT,
@@ -22,6 +24,7 @@ from enrichq_sweeper.common import (
 )
 
 SECONDS_PER_DAY = 86_400.0
+SECONDS_PER_HOUR = 3600.0
 # Claim counts feed the claim's fairness over the last day; two days leaves a margin.
 TENANT_SERVED_RETENTION_SECONDS = 2 * SECONDS_PER_DAY
 
@@ -36,6 +39,7 @@ class PruneResult:
     tenant_served: int = 0
     lookup_log: int = 0
     runs: int = 0
+    seen_events: int = 0
     batches: int = 0
     duration_seconds: float = 0.0
     max_batch_seconds: float = 0.0
@@ -47,6 +51,12 @@ class PruneResult:
         return self.done + self.failed + self.dead_letter
 
 
+def _statement(name: str) -> sa.TextClause:
+    """A retention statement: the seen-event prune has a file of its own (sql/events.sql)."""
+    events = load("enrichq_sweeper", "sql/events.sql")
+    return events(name) if name in events else sql()(name)
+
+
 def run_once(
     engine: sa.Engine,
     *,
@@ -56,12 +66,13 @@ def run_once(
     now: datetime | None = None,
     statement_timeout_seconds: float = STATEMENT_TIMEOUT_SECONDS_DEFAULT,
     should_stop: Callable[[], bool] | None = None,
+    event_dedupe_hours: float = EVENT_DEDUPE_HOURS_DEFAULT,
 ) -> PruneResult:
     """Delete old terminal queue rows, claim buckets, lookup-log and run-log rows, by pages.
 
     done/failed rows, lookup-log and run-log rows go after `retention_days`, dead letters
     after `dead_letter_retention_days` (queue rows by finished_at), claim buckets after two
-    days.
+    days, webhook event ids past the dedupe window (`event_dedupe_hours`).
     """
     if batch_size < 1:
         raise ValueError("batch_size must be at least 1")
@@ -74,6 +85,7 @@ def run_once(
         "retention_prune_tenant_served": TENANT_SERVED_RETENTION_SECONDS,
         "retention_prune_lookup_log": retention_days * SECONDS_PER_DAY,
         "retention_prune_runs": retention_days * SECONDS_PER_DAY,
+        "retention_prune_seen_events": event_dedupe_hours * SECONDS_PER_HOUR,
     }
     # Cutoffs are fixed once per pass, so later pages never chase a moving clock.
     with engine.connect() as conn:
@@ -96,7 +108,7 @@ def run_once(
             with engine.begin() as conn:
                 set_statement_timeout(conn, statement_timeout_seconds)
                 rows = conn.execute(
-                    sql()(query), {"cutoff": cutoff, "batch_size": batch_size}
+                    _statement(query), {"cutoff": cutoff, "batch_size": batch_size}
                 ).all()
             max_held = max(max_held, time.perf_counter() - began)
             page = sum(int(r.n) for r in rows)
@@ -111,6 +123,7 @@ def run_once(
         tenant_served=deleted["tenant_served"],
         lookup_log=deleted["lookup_log"],
         runs=deleted["runs"],
+        seen_events=deleted["seen_events"],
         batches=batches,
         duration_seconds=time.perf_counter() - started,
         max_batch_seconds=max_held,

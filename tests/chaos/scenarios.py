@@ -169,7 +169,25 @@ def drained(engine: sa.Engine, fleet: Fleet | None = None, timeout: float = 240)
             fleet.revive()
         return quiet(engine)
 
-    wait_for(check, timeout=timeout, interval=0.25, what="the queue to drain")
+    try:
+        wait_for(check, timeout=timeout, interval=0.25, what="the queue to drain")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; {stuck(engine, fleet)}") from None
+
+
+def stuck(engine: sa.Engine, fleet: Fleet | None) -> str:
+    """What the queue and the fleet look like when they stop draining (for the message)."""
+    open_rows = q(
+        engine,
+        "SELECT state, lease_expires_at < now() AS expired, visible_at <= now() AS visible,"
+        " lease_owner, count(*) FROM enrichq.queue WHERE state IN ('queued', 'leased')"
+        " GROUP BY 1, 2, 3, 4 ORDER BY 5 DESC LIMIT 10",
+    )
+    alive = "no fleet"
+    if fleet is not None:
+        sweeper = fleet.sweeper.poll() if fleet.sweeper is not None else "none"
+        alive = f"workers exit codes {[w.poll() for w in fleet.workers]}, sweeper {sweeper}"
+    return f"open rows (state, expired, visible, owner, n): {open_rows}; {alive}"
 
 
 def check(engine: sa.Engine, outcome: Outcome, *, poison: tuple[str, ...] = ()) -> Outcome:

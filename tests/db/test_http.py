@@ -115,7 +115,8 @@ def test_signed_event_is_queued_with_the_reason_delay_and_tenant(
         "accepted": 1,
         "inserted": 1,
         "merged": 0,
-        "results": [{"ticket_id": "T-1", "inserted": True, "id": row.id}],
+        "duplicates": 0,
+        "results": [{"ticket_id": "T-1", "inserted": True, "id": row.id, "duplicate": False}],
     }
     assert (row.kind, row.key, row.tenant, row.reason, row.state) == (
         "enrich",
@@ -162,15 +163,17 @@ def test_batch_with_a_duplicate_ticket_inserts_once_and_merges(
     assert answer["inserted"] == 2
     assert answer["merged"] == 1
     assert answer["results"] == [
-        {"ticket_id": "T-1", "inserted": True, "id": ids["T-1"]},
-        {"ticket_id": "T-2", "inserted": True, "id": ids["T-2"]},
-        {"ticket_id": "T-1", "inserted": False, "id": ids["T-1"]},
+        {"ticket_id": "T-1", "inserted": True, "id": ids["T-1"], "duplicate": False},
+        {"ticket_id": "T-2", "inserted": True, "id": ids["T-2"], "duplicate": False},
+        {"ticket_id": "T-1", "inserted": False, "id": ids["T-1"], "duplicate": False},
     ]
 
     # The same event again later merges into the queued row.
     body = encode(event("T-2", "created"))
     again = client.post(URL, content=body, headers=signed(body)).json()
-    assert again["results"] == [{"ticket_id": "T-2", "inserted": False, "id": ids["T-2"]}]
+    assert again["results"] == [
+        {"ticket_id": "T-2", "inserted": False, "id": ids["T-2"], "duplicate": False}
+    ]
     assert len(queue_rows(db_engine)) == 2
 
 
@@ -313,8 +316,28 @@ EVENT_JSON = b'{"ticket_id": "T-1", "type": "created", "occurred_at": "2024-05-0
         pytest.param(encode(event("   ")), "ticket_id: must not be blank", id="blank-ticket-id"),
         pytest.param(
             encode(event("T\u0000")),
-            "ticket_id: must not be blank or contain NUL",
+            "ticket_id: must not contain control or format characters (U+0000)",
             id="nul-in-ticket-id",
+        ),
+        pytest.param(
+            encode(event("w\u001b[2J\nFAKE LOG LINE")),
+            "ticket_id: must not contain control or format characters (U+001B)",
+            id="terminal-escape-in-ticket-id",
+        ),
+        pytest.param(
+            encode(event("T-1\u0085")),
+            "ticket_id: must not contain control or format characters (U+0085)",
+            id="c1-control-in-ticket-id",
+        ),
+        pytest.param(
+            encode(event(tenant="acme\u200b")),
+            "tenant: must not contain control or format characters (U+200B)",
+            id="zero-width-space-in-tenant",
+        ),
+        pytest.param(
+            encode(event(tenant="\u202eemca")),
+            "tenant: must not contain control or format characters (U+202E)",
+            id="bidi-override-in-tenant",
         ),
         pytest.param(encode(event(tenant="\t")), "tenant: must not be blank", id="blank-tenant"),
         pytest.param(
@@ -411,7 +434,7 @@ def test_the_secret_never_appears_in_errors_or_metrics(client: TestClient) -> No
 def test_openapi_describes_the_real_shapes(client: TestClient) -> None:
     spec = client.get("/openapi.json").json()
     post = spec["paths"]["/v1/events"]["post"]
-    assert set(post["responses"]) == {"202", "401", "413", "422", "503"}
+    assert set(post["responses"]) == {"202", "401", "413", "415", "422", "503"}
     body_ref = post["requestBody"]["content"]["application/json"]["schema"]["$ref"]
     schemas = spec["components"]["schemas"]
     body = schemas[body_ref.rsplit("/", 1)[1]]
@@ -443,3 +466,37 @@ def test_a_real_uvicorn_server_accepts_a_signed_event_over_a_socket(
     assert not server.thread.is_alive()
     [row] = queue_rows(db_engine)
     assert (row.key, row.reason, row.tenant, row.state) == ("T-socket", "updated", "acme", "queued")
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data", "json"],
+)
+def test_a_body_that_is_not_declared_json_is_415_and_enqueues_nothing(
+    refusing: tuple[TestClient, sa.Engine], content_type: str | None
+) -> None:
+    client, engine = refusing
+    headers = {k: v for k, v in signed(BODY).items() if k != "Content-Type"}
+    if content_type is not None:
+        headers["Content-Type"] = content_type
+    before = events_counted("unsupported")
+    detail = assert_refused(client.post(URL, content=BODY, headers=headers), 415, engine)
+    assert "application/json" in detail
+    assert events_counted("unsupported") == before + 1
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        "application/json",
+        "application/json; charset=utf-8",
+        "Application/JSON",
+        "application/cloudevents+json",
+    ],
+)
+def test_json_media_types_are_accepted(
+    client: TestClient, db_engine: sa.Engine, content_type: str
+) -> None:
+    headers = {**signed(BODY), "Content-Type": content_type}
+    response = client.post(URL, content=BODY, headers=headers)
+    assert response.status_code == 202, response.text

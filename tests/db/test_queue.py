@@ -16,7 +16,8 @@ from enrichq_schema.tables import LEASED_KEY_INDEX
 from enrichq_service import queue
 from enrichq_service.queue import EnqueueRequest, Job, QueueInputError
 from enrichq_service.settings import Settings
-from enrichq_sweeper import dlq
+from enrichq_sweeper import controls
+from enrichq_sweeper.filters import Filter, Scope
 
 T0 = datetime(2026, 1, 5, 12, 0, tzinfo=UTC)
 LEASE = 60.0
@@ -289,7 +290,10 @@ def _claim_again_after(conn: sa.Connection, cfg: Settings, path: str) -> tuple[J
             now=at(1),
         )
         assert won == {old.id: Outcome.DEAD_LETTER}
-        assert dlq.redrive(conn, ids=[old.id], now=at(1)).redriven
+        redrive = Filter.build(Scope.DEAD, ids=[old.id])
+        picked = controls.select(conn, redrive, now=at(1))
+        done = controls.redrive_batch(conn, redrive, picked.ids, picked.winners, now=at(1))
+        assert done["redriven"] == 1
     new = claim_one(conn, "w1", now=2)
     assert (new.id, new.attempts) == (old.id, old.attempts)  # what the old fence matched on
     return old, new

@@ -1,18 +1,27 @@
-"""Dead letters: `enrichq dlq list` and `enrichq dlq redrive` (DESIGN §3, redrive)."""
+"""Dead letters: `enrichq dlq list` and `enrichq dlq redrive` (DESIGN §3, redrive).
+
+Redrive is one of the filtered operator controls; cancel and discard, the filter language
+and the batching are in test_controls.py.
+"""
 
 from __future__ import annotations
 
 import json
+import re
+from collections import Counter
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from tests.conftest import make_settings
 
+from enrichq_schema.states import AuditCommand
 from enrichq_schema.tables import queue
-from enrichq_sweeper import dlq
+from enrichq_sweeper import controls, dlq
 from enrichq_sweeper.common import sql as sweeper_sql
-from enrichq_sweeper.errors import DlqInputError
+from enrichq_sweeper.errors import DlqInputError, FilterError
+from enrichq_sweeper.filters import Filter, Scope
 
 T0 = datetime(2026, 1, 5, 12, 0, tzinfo=UTC)
 
@@ -152,11 +161,22 @@ def test_list_cli_bad_reason_is_a_one_line_error(
 # -- redrive
 
 
+def redrive(conn: sa.Connection, batch_size: int = 1000, **criteria: Any) -> Counter[str]:
+    """What `enrichq dlq redrive` does, batch by batch, inside the test's transaction."""
+    flt = Filter.build(Scope.DEAD, **criteria)
+    selection = controls.select(conn, flt, now=T0)
+    done: Counter[str] = Counter()
+    for start in range(0, len(selection.ids), batch_size):
+        ids = selection.ids[start : start + batch_size]
+        winners = selection.winners[start : start + batch_size]
+        done.update(controls.redrive_batch(conn, flt, ids, winners, now=T0))
+    return done
+
+
 def test_redrive_by_id_resets_the_row(conn: sa.Connection) -> None:
     row_id = dead(conn, "T-1")
     other = dead(conn, "T-2")
-    result = dlq.redrive(conn, ids=[row_id], now=T0)
-    assert [(r.id, r.redriven, r.into_id) for r in result.rows] == [(row_id, True, row_id)]
+    assert redrive(conn, ids=[row_id]) == {"redriven": 1, "merged": 0}
     row = get(conn, row_id)
     assert (row.state, row.attempts, row.max_attempts, row.reason) == ("queued", 0, 3, "redrive")
     assert (row.visible_at, row.updated_at) == (T0, T0)
@@ -169,53 +189,58 @@ def test_redrive_by_id_resets_the_row(conn: sa.Connection) -> None:
 def test_redrive_by_reason_and_all(conn: sa.Connection) -> None:
     exhausted = dead(conn, "T-1")
     superseded = dead(conn, "T-2", "superseded")
-    result = dlq.redrive(conn, reason="superseded", now=T0)
-    assert [r.id for r in result.redriven] == [superseded]
+    assert redrive(conn, reason="superseded")["redriven"] == 1
+    assert get(conn, superseded).state == "queued"
     assert get(conn, exhausted).state == "dead_letter"
     more = dead(conn, "T-3", "superseded")
-    result = dlq.redrive(conn, all_rows=True, now=T0)
-    assert sorted(r.id for r in result.redriven) == sorted([exhausted, more])
+    assert redrive(conn, all_rows=True)["redriven"] == 2
+    assert {get(conn, i).state for i in (exhausted, more)} == {"queued"}
     assert set(states(conn).values()) == {"queued"}
 
 
 def test_redrive_merges_into_a_queued_row_of_the_key(conn: sa.Connection) -> None:
     row_id = dead(conn, "T-1")
-    waiting = queued(conn, "T-1")
-    result = dlq.redrive(conn, ids=[row_id], now=T0)
-    assert result.redriven == ()
-    assert [(r.id, r.redriven, r.into_id) for r in result.merged] == [(row_id, False, waiting)]
+    queued(conn, "T-1")
+    assert redrive(conn, ids=[row_id]) == {"redriven": 0, "merged": 1}
     assert get(conn, row_id).state == "dead_letter"
     assert get(conn, row_id).dead_reason == "attempts_exhausted"
 
 
-@pytest.mark.parametrize("batch_size", [1, 1000])
+@pytest.mark.parametrize("batch_size", [1, 2, 1000])
 def test_several_dead_letters_of_one_key_only_the_newest_is_queued(
     conn: sa.Connection, batch_size: int
 ) -> None:
+    # in lock order (key, kind, id) T-1's rows come first, oldest first: with batches of
+    # one or two rows the older row of T-1 is worked before the newer one is even read
     older = dead(conn, "T-1")
     other_key = dead(conn, "T-2")
     newer = dead(conn, "T-1", "superseded")
-    result = dlq.redrive(conn, all_rows=True, batch_size=batch_size, now=T0)
-    assert sorted(r.id for r in result.redriven) == sorted([newer, other_key])
-    assert [(r.id, r.into_id) for r in result.merged] == [(older, newer)]
+    assert redrive(conn, batch_size, all_rows=True) == {"redriven": 2, "merged": 1}
     assert states(conn) == {older: "dead_letter", other_key: "queued", newer: "queued"}
+
+
+def test_redrive_of_one_kind_leaves_the_other_kind_of_the_ticket(conn: sa.Connection) -> None:
+    enrich = dead(conn, "T-1")
+    refresh = dead(conn, "T-1", kind="refresh")
+    assert redrive(conn, kind="refresh") == {"redriven": 1, "merged": 0}
+    assert states(conn) == {enrich: "dead_letter", refresh: "queued"}
 
 
 def test_redrive_of_ids_that_are_not_dead_letters_changes_nothing(conn: sa.Connection) -> None:
     row_id = dead(conn, "T-1")
     live = queued(conn, "T-2")
-    with pytest.raises(DlqInputError, match=f"not dead letters: {live}, 999999"):
-        dlq.redrive(conn, ids=[row_id, live, 999999], now=T0)
+    with pytest.raises(FilterError, match=f"not dead letters: {live}, 999999"):
+        redrive(conn, ids=[row_id, live, 999999])
     assert get(conn, row_id).state == "dead_letter"
 
 
-def test_redrive_needs_exactly_one_selection(conn: sa.Connection) -> None:
-    with pytest.raises(DlqInputError, match="exactly one"):
-        dlq.redrive(conn)
-    with pytest.raises(DlqInputError, match="exactly one"):
-        dlq.redrive(conn, ids=[1], all_rows=True)
-    with pytest.raises(DlqInputError, match="unknown dead reason"):
-        dlq.redrive(conn, reason="tired")
+def test_redrive_needs_a_filter(conn: sa.Connection) -> None:
+    with pytest.raises(FilterError, match="give a filter"):
+        redrive(conn)
+    with pytest.raises(FilterError, match="--all selects every row"):
+        redrive(conn, ids=[1], all_rows=True)
+    with pytest.raises(FilterError, match="not a dead reason"):
+        redrive(conn, reason="created")
 
 
 def test_redrive_cli_dry_run_reports_and_changes_nothing(
@@ -226,37 +251,41 @@ def test_redrive_cli_dry_run_reports_and_changes_nothing(
         b = dead(conn, "T-1")
         c = dead(conn, "T-2", "superseded")
         before = conn.execute(sa.select(queue).order_by(queue.c.id)).all()
-    settings = make_settings(db_url)
-    dlq.redrive_cli(settings, db_url, ids=[], reason=None, all_rows=True, dry_run=True)
-    out = capsys.readouterr().out.splitlines()
-    assert out == [
-        f"{a}\tenrich\tT-1\twould be merged into queued row {b}",
-        f"{b}\tenrich\tT-1\twould be redriven",
-        f"{c}\tenrich\tT-2\twould be redriven",
-        "2 would be redriven, 1 would be merged (dry run: nothing changed)",
-    ]
+    flt = Filter.build(Scope.DEAD, all_rows=True)
+    controls.run_cli(
+        make_settings(db_url), db_url, AuditCommand.DLQ_REDRIVE, flt, actor="ops", dry_run=True
+    )
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == (
+        "3 dead letters match --all; would redrive them (dry run: nothing changed)"
+    )
+    shown = [int(m) for m in re.findall(r"^│\s*(\d+) │", out, re.MULTILINE)]
+    assert shown == [a, b, c]  # the sample, in lock order
     with db_engine.connect() as conn:
         assert conn.execute(sa.select(queue).order_by(queue.c.id)).all() == before
+        assert conn.execute(sa.text("SELECT count(*) FROM enrichq.audit_log")).scalar() == 0
 
 
-def test_redrive_cli_commits_and_reports(
+def test_redrive_cli_commits_reports_and_audits(
     db_engine: sa.Engine, db_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with db_engine.begin() as conn:
         a = dead(conn, "T-1")
-    dlq.redrive_cli(
-        make_settings(db_url), db_url, ids=[a], reason=None, all_rows=False, dry_run=False
+        b = dead(conn, "T-1")
+    flt = Filter.build(Scope.DEAD, keys=["T-1"])
+    controls.run_cli(
+        make_settings(db_url), db_url, AuditCommand.DLQ_REDRIVE, flt, actor="ops", dry_run=False
     )
-    assert capsys.readouterr().out.splitlines() == [
-        f"{a}\tenrich\tT-1\tredriven",
-        "1 redriven, 0 merged",
-    ]
+    assert capsys.readouterr().out.startswith(
+        "2 dead letters matched --key T-1: 1 redriven, 1 merged"
+    )
     with db_engine.connect() as conn:
-        assert get(conn, a).state == "queued"
-    dlq.redrive_cli(
-        make_settings(db_url), db_url, ids=[], reason="superseded", all_rows=False, dry_run=False
-    )
-    assert "nothing to redrive" in capsys.readouterr().out
+        assert (get(conn, a).state, get(conn, b).state) == ("dead_letter", "queued")
+        entry = conn.execute(sa.text("SELECT * FROM enrichq.audit_log")).one()
+    assert (entry.command, entry.actor, entry.rows_affected) == ("dlq redrive", "ops", 1)
+    assert entry.filter == {"scope": "dead", "keys": ["T-1"]}
+    assert entry.detail == {"matched": 2, "redriven": 1, "merged": 1}
+    assert entry.finished_at is not None
 
 
 def test_redrive_cli_bad_id_is_a_one_line_error_and_changes_nothing(
@@ -264,9 +293,10 @@ def test_redrive_cli_bad_id_is_a_one_line_error_and_changes_nothing(
 ) -> None:
     with db_engine.begin() as conn:
         a = dead(conn, "T-1")
+    flt = Filter.build(Scope.DEAD, ids=[a, a + 1])
     with pytest.raises(SystemExit) as exit_info:
-        dlq.redrive_cli(
-            make_settings(db_url), db_url, ids=[a, a + 1], reason=None, all_rows=False,
+        controls.run_cli(
+            make_settings(db_url), db_url, AuditCommand.DLQ_REDRIVE, flt, actor="ops",
             dry_run=False,
         )  # fmt: skip
     assert exit_info.value.code == 2
@@ -274,6 +304,7 @@ def test_redrive_cli_bad_id_is_a_one_line_error_and_changes_nothing(
     assert err == f"enrichq: dlq redrive: not dead letters: {a + 1}; nothing changed\n"
     with db_engine.connect() as conn:
         assert get(conn, a).state == "dead_letter"
+        assert conn.execute(sa.text("SELECT count(*) FROM enrichq.audit_log")).scalar() == 0
 
 
 def test_listing_by_reason_uses_the_dead_letter_index(conn: sa.Connection) -> None:
@@ -300,8 +331,11 @@ def test_the_cli_commands_reach_the_sweeper(
     assert main(["dlq", "list", "--json", "--reason", "attempts_exhausted"]) == 0
     assert json.loads(capsys.readouterr().out)["id"] == a
     assert main(["dlq", "redrive", "--id", str(a), "--dry-run"]) == 0
-    assert "would be redriven" in capsys.readouterr().out
+    assert "would redrive it" in capsys.readouterr().out
     assert main(["dlq", "redrive", "--id", str(a + 1)]) == 2
     assert "not dead letters" in capsys.readouterr().err
+    assert main(["dlq", "redrive", "--reason", "attempts_exhausted", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["matched"], result["counts"]) == (1, {"redriven": 1, "merged": 0})
     with db_engine.connect() as conn:
-        assert get(conn, a).state == "dead_letter"
+        assert get(conn, a).state == "queued"

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +22,9 @@ COMMANDS = [
     ["dlq"],
     ["dlq", "list"],
     ["dlq", "redrive"],
+    ["dlq", "discard"],
+    ["cancel"],
+    ["audit"],
     ["parity"],
     ["cutover"],
     ["demo"],
@@ -46,6 +51,8 @@ def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
         assert name in out
     assert "cutover" in out
     assert "demo" in out
+    for name in ("cancel", "audit"):
+        assert name in out
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
@@ -84,6 +91,8 @@ def test_every_command_has_help(command: list[str], capsys: pytest.CaptureFixtur
         ["parity", "--since", "yesterday"],
         ["parity", "--since", "2026-02-01", "--until", "2026-01-01"],
         ["--config", "/nonexistent/enrichq.toml", "status"],
+        ["enqueue", "w\u001b[2J\nFAKE LOG LINE"],
+        ["enqueue", "T-1", "--tenant", "acme\u200b"],
     ],
     ids=" ".join,
 )
@@ -126,3 +135,86 @@ def test_cli_start_imports_no_heavy_stacks() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert proc.stdout.strip() == ""
+
+
+def test_a_refused_key_is_not_echoed_raw(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["enqueue", "w\u001b[2J\nFAKE LOG LINE"]) == 2
+    err = capsys.readouterr().err
+    assert err == "enrichq: key: must not contain control or format characters (U+001B)\n"
+
+
+def test_log_lines_escape_control_characters_in_their_arguments() -> None:
+    code = (
+        "import logging; from enrichq_service.cli import Context; Context(None).settings; "
+        "logging.getLogger('enrichq_sweeper.recovery').warning("
+        "'gave up on %s', 'w\\x1b[2J\\nFAKE LOG LINE')"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ENRICHQ_")}
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=True,
+    )
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "\x1b" not in proc.stderr
+    assert lines[0].endswith("gave up on w\\x1b[2J\\nFAKE LOG LINE")
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"ENRICHQ_DATABASE_URL": "postgresql://u@127.0.0.1:1/db?foo=bar"}, "'foo'"),
+        ({"ENRICHQ_DATABASE_URL": "mysql://u@127.0.0.1/db"}, "PostgreSQL"),
+        ({"ENRICHQ_DATABASE_URL": "sqlite:///x.db"}, "PostgreSQL"),
+        ({"ENRICHQ_DATABASE_URL": "sqlite:"}, "ENRICHQ_DATABASE_URL"),
+        ({"ENRICHQ_DATABASE_URL": "postgres://u@127.0.0.1/db"}, "postgresql://"),
+        ({"ENRICHQ_WAREHOUSE_URL": "bigquery://project/dataset"}, "ENRICHQ_WAREHOUSE_URL"),
+        ({"ENRICHQ_WAREHOUSE_URL": "mysql://u@127.0.0.1/db"}, "ENRICHQ_WAREHOUSE_URL"),
+        ({"ENRICHQ_PARITY_DATABASE_URL": "postgresql://u@h/db?sslmod=require"}, "'sslmod'"),
+    ],
+    ids=lambda v: next(iter(v.values())) if isinstance(v, dict) else None,
+)
+def test_a_database_url_enrichq_cannot_use_is_one_line_and_exit_2(
+    env: dict[str, str], expected: str
+) -> None:
+    proc = run("status", env={"ENRICHQ_DATABASE_URL": "postgresql://u@127.0.0.1:1/db", **env})
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("enrichq: ")
+    assert expected in lines[0]
+
+
+def test_a_malformed_config_file_names_its_line(tmp_path: Path) -> None:
+    cfg = tmp_path / "enrichq.toml"
+    cfg.write_text("concurrency = 3\nmax_attempts = \n")
+    proc = run("--config", str(cfg), "status")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert str(cfg) in lines[0]
+    assert "line 2" in lines[0]
+
+
+def test_serve_on_a_port_in_use_is_one_line_and_exit_2() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run(
+            "serve",
+            env={
+                "ENRICHQ_DATABASE_URL": "postgresql://u@127.0.0.1:1/db?connect_timeout=1",
+                "ENRICHQ_HTTP_HOST": "127.0.0.1",
+                "ENRICHQ_HTTP_PORT": str(port),
+            },
+        )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert f"127.0.0.1:{port}" in lines[0]
+    assert "in use" in lines[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import SecretStr
@@ -70,6 +71,17 @@ def test_toml_file_is_read_and_environment_wins(
         ({"ENRICHQ_ENRICHER": "no_colon"}, "ENRICHQ_ENRICHER"),
         ({"ENRICHQ_TICKETS_TABLE": "x; drop table y"}, "ENRICHQ_TICKETS_TABLE"),
         ({"ENRICHQ_DATABASE_URL": "::nonsense::"}, "ENRICHQ_DATABASE_URL"),
+        (
+            {"ENRICHQ_DATABASE_URL": "postgresql://u:pw@h/db?foo=bar"},
+            "unknown connection option 'foo'",
+        ),
+        ({"ENRICHQ_DATABASE_URL": "mysql://u:pw@h/db"}, "expected postgresql://"),
+        ({"ENRICHQ_DATABASE_URL": "sqlite:///enrichq.db"}, "expected postgresql://"),
+        ({"ENRICHQ_DATABASE_URL": "postgres://u:pw@h/db"}, "not postgres://"),
+        ({"ENRICHQ_PARITY_DATABASE_URL": "mssql://u:pw@h/db"}, "ENRICHQ_PARITY_DATABASE_URL"),
+        ({"ENRICHQ_WAREHOUSE_URL": "bigquery://project/dataset"}, "no SQLAlchemy dialect"),
+        ({"ENRICHQ_WAREHOUSE_URL": "mysql://u:pw@h/db"}, "driver of mysql:// is not installed"),
+        ({"ENRICHQ_WAREHOUSE_URL": "postgresql://u:pw@h/db?sslmod=x"}, "'sslmod'"),
         ({"ENRICHQ_NO_SUCH_THING": "1"}, None),
     ],
 )
@@ -86,6 +98,51 @@ def test_impossible_values_are_refused_naming_the_field(
     with pytest.raises(SettingsError) as info:
         Settings.load()
     message = str(info.value)
+    assert expected in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("name", "url"),
+    [
+        ("database_url", "postgresql://u:pw@h:5432/db?sslmode=require&connect_timeout=5"),
+        ("database_url", "postgresql+psycopg2://u@/db?host=a:5432&host=b:5432"),
+        ("database_url", "postgresql://u@h/db?target_session_attrs=read-write"),
+        ("warehouse_url", "sqlite:///warehouse.db"),
+        ("warehouse_url", "postgresql://u@h/warehouse?application_name=lookups"),
+    ],
+)
+def test_urls_enrichq_can_use_are_accepted(name: str, url: str) -> None:
+    overrides: dict[str, Any] = {name: url}
+    assert getattr(Settings.load(None, **overrides), name) == url
+
+
+def test_a_refused_url_never_shows_its_password(monkeypatch: pytest.MonkeyPatch) -> None:
+    for url in ("postgresql://u:hunter2@h/db?foo=1", "mysql://u:hunter2@h/db"):
+        monkeypatch.setenv("ENRICHQ_DATABASE_URL", url)
+        with pytest.raises(SettingsError) as info:
+            Settings.load()
+        assert "hunter2" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (b"concurrency = 3\nmax_attempts = \n", "line 2"),
+        (b"[table\n", "line 1"),
+        (b"concurrency = 3\nconcurrency = 4\n", "line 2"),
+        (b"\xff\xfe = 1\n", "not UTF-8"),
+    ],
+)
+def test_a_malformed_toml_file_is_refused_naming_the_line(
+    tmp_path: Path, content: bytes, expected: str
+) -> None:
+    cfg = tmp_path / "enrichq.toml"
+    cfg.write_bytes(content)
+    with pytest.raises(SettingsError) as info:
+        Settings.load(cfg)
+    message = str(info.value)
+    assert message.startswith(f"config file {cfg}: ")
     assert expected in message
     assert "\n" not in message
 

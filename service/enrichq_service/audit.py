@@ -1,0 +1,89 @@
+"""`enrichq audit`: the operator actions recorded in `enrichq.audit_log`, newest first."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from datetime import UTC
+from typing import Any
+
+from enrichq_schema.audit import AuditEntry, AuditInputError, recent
+from enrichq_service.settings import Settings
+
+EXIT_USAGE = 2
+TIME_FORMAT = "%Y-%m-%d %H:%M:%SZ"
+
+
+def list_cli(
+    settings: Settings, url: str, *, limit: int, command: str | None, as_json: bool
+) -> None:
+    """Print the newest `limit` actions: a table, or one JSON object per line."""
+    from enrichq_schema.db import create_engine
+
+    engine = create_engine(
+        url,
+        application_name="enrichq-audit",
+        pool_size=1,
+        statement_timeout_seconds=settings.statement_timeout_seconds,
+    )
+    try:
+        with engine.connect() as conn:
+            entries = recent(conn, limit=limit, command=command)
+    except AuditInputError as exc:
+        print(f"enrichq: audit: {exc}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    finally:
+        engine.dispose()
+    if as_json:
+        # json.dumps escapes every control character: the lines are safe to print
+        for entry in entries:
+            print(json.dumps(asdict(entry), default=str))
+        return
+    print_table(entries)
+
+
+def describe_filter(stored: Mapping[str, Any]) -> str:
+    """A stored filter as `name=value` pairs (lists joined by commas), scope left out."""
+    parts = []
+    for name, value in stored.items():
+        if name == "scope":
+            continue
+        if value is True:
+            parts.append(name)
+        elif isinstance(value, list):
+            parts.append(f"{name}={','.join(str(v) for v in value)}")
+        else:
+            parts.append(f"{name}={value}")
+    return " ".join(parts) or "-"
+
+
+def print_table(entries: Sequence[AuditEntry]) -> None:
+    """The actions as a rich table; actors, filters and notes escaped."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from enrichq_schema.text import printable
+
+    console = Console()
+    if not entries:
+        console.print("no operator actions recorded")
+        return
+    table = Table(title=f"operator actions (newest first, {len(entries)} shown)")
+    for column in ("id", "at", "command", "actor", "rows", "filter", "finished", "note"):
+        table.add_column(column, justify="right" if column in {"id", "rows"} else "left")
+    for e in entries:
+        finished = "no (interrupted or running)" if e.finished_at is None else "yes"
+        table.add_row(
+            str(e.id),
+            e.at.astimezone(UTC).strftime(TIME_FORMAT),
+            e.command,
+            escape(printable(e.actor)),
+            str(e.rows_affected),
+            escape(printable(describe_filter(e.filter))),
+            finished,
+            escape(printable(e.note or "")),
+        )
+    console.print(table)

@@ -1,0 +1,113 @@
+"""Ingest of help-desk events, safe to redeliver (DESIGN §6, POST /v1/events).
+
+An event may carry the help desk's event `id`. A delivery whose id was seen within
+ENRICHQ_EVENT_DEDUPE_HOURS is a redelivery: it is acknowledged as a duplicate and enqueues
+nothing, also after the first delivery's row was claimed, done or pruned. The ids are
+recorded in the transaction that enqueues the events (sql/events.sql): if the enqueue
+rolls back, so does the record, and the help desk's retry is processed. The sweeper's
+retention pass deletes ids older than the window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+import sqlalchemy as sa
+
+from enrichq_schema.queries import load
+from enrichq_service import queue
+from enrichq_service.settings import Settings
+
+SQL = load("enrichq_service", "sql/events.sql")
+SECONDS_PER_HOUR = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One event to enqueue: the help desk's event id (None: not deduplicated) and the
+    validated request it becomes."""
+
+    event_id: str | None
+    request: queue.EnqueueRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What became of one delivered event.
+
+    `duplicate`: its id was seen within the window, nothing was enqueued, and `id` is the
+    row the first delivery went into (None if unknown). Otherwise `inserted` says whether
+    it made a new queued row or merged into the one queued already (`id`).
+    """
+
+    key: str
+    id: int | None
+    inserted: bool
+    duplicate: bool = False
+
+
+def duplicates(event_ids: Sequence[str | None], fresh: set[str]) -> list[bool]:
+    """Which deliveries are duplicates: an id not `fresh` (seen within the window), or an id
+    that occurs earlier in the same request. Events without an id never are."""
+    seen_here: set[str] = set()
+    out: list[bool] = []
+    for event_id in event_ids:
+        if event_id is None:
+            out.append(False)
+            continue
+        out.append(event_id not in fresh or event_id in seen_here)
+        seen_here.add(event_id)
+    return out
+
+
+def enqueue(
+    conn: sa.Connection,
+    deliveries: Sequence[Delivery],
+    *,
+    settings: Settings,
+    now: datetime | None = None,
+) -> list[Outcome]:
+    """Enqueue every delivery that is not a redelivery, in the caller's transaction."""
+    ids = sorted({d.event_id for d in deliveries if d.event_id is not None})
+    fresh: set[str] = set()
+    if ids:
+        window = settings.event_dedupe_hours * SECONDS_PER_HOUR
+        fresh = set(
+            conn.execute(
+                SQL("events_mark_seen"), {"ids": ids, "window_seconds": window, "now": now}
+            ).scalars()
+        )
+    dup = duplicates([d.event_id for d in deliveries], fresh)
+    wanted = [d for d, is_dup in zip(deliveries, dup, strict=True) if not is_dup]
+    results = iter(queue.enqueue(conn, [d.request for d in wanted], settings=settings, now=now))
+    went_into: dict[str, int | None] = {}
+    outcomes: list[Outcome | None] = []
+    for delivery, is_dup in zip(deliveries, dup, strict=True):
+        if is_dup:
+            outcomes.append(None)  # filled in below, once the first deliveries are known
+            continue
+        result = next(results)
+        outcomes.append(Outcome(result.key, result.id, result.inserted))
+        if delivery.event_id is not None:
+            went_into[delivery.event_id] = result.id
+    if went_into:
+        conn.execute(
+            SQL("events_remember"),
+            {"ids": list(went_into), "queue_ids": list(went_into.values())},
+        )
+    dup_ids = sorted(
+        {d.event_id for d, is_dup in zip(deliveries, dup, strict=True) if is_dup and d.event_id}
+    )
+    if dup_ids:
+        stored: dict[str, int | None] = {
+            r.event_id: r.queue_id for r in conn.execute(SQL("events_queue_ids"), {"ids": dup_ids})
+        }
+        went_into = {**stored, **went_into}
+    return [
+        o
+        if o is not None
+        else Outcome(d.request.key, went_into.get(d.event_id or ""), False, duplicate=True)
+        for o, d in zip(outcomes, deliveries, strict=True)
+    ]

@@ -1,0 +1,235 @@
+-- Operator controls over the queue (DESIGN §3): cancel (queued/leased → dead_letter,
+-- reason `cancelled`), dlq discard (dead letters deleted) and dlq redrive (dead letters →
+-- queued), all chosen by one filter (enrichq_sweeper.filters). Every statement takes :now
+-- (NULL = the database clock).
+--
+-- An action reads the ids its filter matches once (controls_select_*), in lock order, then
+-- works them in batches of its own transactions (controls_*_batch). Each batch checks its
+-- rows against the scope and the filter again under the lock, so a row that changed in the
+-- meantime (settled, claimed, redriven by someone else) is acted on only if it still
+-- matches.
+--
+-- Lock order: every multi-row writer of enrichq.queue locks its rows in the order
+-- (key, kind, id), keys and kinds compared byte by byte (COLLATE "C": the same on every
+-- server, whatever the database's collation), so writers wait for each other but never
+-- deadlock. The batches lock with ORDER BY ... FOR UPDATE before they write anything.
+--
+-- The filter block below is the same in every statement of a scope (the open scope reads
+-- reason and created_at, the dead scope dead_reason and finished_at); a test holds the
+-- copies together. The batches leave out the `--id` criterion: a row's id never changes,
+-- the batch's ids come from the selection that applied it, and a second `id = ANY` next
+-- to :batch_ids made the planner scan the table sequentially. A criterion that is NULL is
+-- folded away when the statement is planned with its parameters, so only the criteria
+-- given reach the plan.
+
+
+-- name: controls_select_open
+-- The queued and leased rows matching the filter: their ids in lock order, and how many of
+-- each state. Each state is read through its own partial index, never the history.
+WITH matched AS (
+    SELECT q.id, q.key, q.kind, q.state
+    FROM enrichq.queue AS q
+    WHERE q.state = 'queued'
+      AND (CAST(:ids AS bigint[]) IS NULL OR q.id = ANY(CAST(:ids AS bigint[])))
+      AND (CAST(:keys AS text[]) IS NULL OR q.key = ANY(CAST(:keys AS text[])))
+      AND (CAST(:tenant AS text) IS NULL OR q.tenant = CAST(:tenant AS text))
+      AND (CAST(:kind AS text) IS NULL OR q.kind = CAST(:kind AS text))
+      AND (CAST(:reason AS text) IS NULL OR q.reason = CAST(:reason AS text))
+      AND (CAST(:older_than_seconds AS float8) IS NULL
+           OR q.created_at < coalesce(CAST(:now AS timestamptz), now())
+                             - make_interval(secs => CAST(:older_than_seconds AS float8)))
+    UNION ALL
+    SELECT q.id, q.key, q.kind, q.state
+    FROM enrichq.queue AS q
+    WHERE q.state = 'leased'
+      AND (CAST(:ids AS bigint[]) IS NULL OR q.id = ANY(CAST(:ids AS bigint[])))
+      AND (CAST(:keys AS text[]) IS NULL OR q.key = ANY(CAST(:keys AS text[])))
+      AND (CAST(:tenant AS text) IS NULL OR q.tenant = CAST(:tenant AS text))
+      AND (CAST(:kind AS text) IS NULL OR q.kind = CAST(:kind AS text))
+      AND (CAST(:reason AS text) IS NULL OR q.reason = CAST(:reason AS text))
+      AND (CAST(:older_than_seconds AS float8) IS NULL
+           OR q.created_at < coalesce(CAST(:now AS timestamptz), now())
+                             - make_interval(secs => CAST(:older_than_seconds AS float8)))
+)
+SELECT coalesce(array_agg(m.id ORDER BY m.key COLLATE "C", m.kind COLLATE "C", m.id),
+                '{}') AS ids,
+       count(*) FILTER (WHERE m.state = 'queued') AS queued,
+       count(*) FILTER (WHERE m.state = 'leased') AS leased
+FROM matched AS m;
+
+
+-- name: controls_select_dead
+-- The dead letters matching the filter: their ids in lock order and, for each, the newest
+-- matching id of its (kind, key), the one a redrive puts back in the queue.
+WITH matched AS (
+    SELECT q.id, q.key, q.kind,
+           max(q.id) OVER (PARTITION BY q.kind COLLATE "C", q.key COLLATE "C") AS winner
+    FROM enrichq.queue AS q
+    WHERE q.state = 'dead_letter'
+      AND (CAST(:ids AS bigint[]) IS NULL OR q.id = ANY(CAST(:ids AS bigint[])))
+      AND (CAST(:keys AS text[]) IS NULL OR q.key = ANY(CAST(:keys AS text[])))
+      AND (CAST(:tenant AS text) IS NULL OR q.tenant = CAST(:tenant AS text))
+      AND (CAST(:kind AS text) IS NULL OR q.kind = CAST(:kind AS text))
+      AND (CAST(:reason AS text) IS NULL OR q.dead_reason = CAST(:reason AS text))
+      AND (CAST(:older_than_seconds AS float8) IS NULL
+           OR q.finished_at < coalesce(CAST(:now AS timestamptz), now())
+                              - make_interval(secs => CAST(:older_than_seconds AS float8)))
+)
+SELECT coalesce(array_agg(m.id ORDER BY m.key COLLATE "C", m.kind COLLATE "C", m.id),
+                '{}') AS ids,
+       coalesce(array_agg(m.winner ORDER BY m.key COLLATE "C", m.kind COLLATE "C", m.id),
+                '{}') AS winners
+FROM matched AS m;
+
+
+-- name: controls_open_ids
+-- Which of :ids are queued or leased (for `--id`: an id that is not is refused by name).
+SELECT q.id
+FROM enrichq.queue AS q
+WHERE q.id = ANY(CAST(:ids AS bigint[])) AND q.state IN ('queued', 'leased');
+
+
+-- name: controls_dead_ids
+-- Which of :ids are dead letters (for `--id`: an id that is not is refused by name).
+SELECT q.id
+FROM enrichq.queue AS q
+WHERE q.id = ANY(CAST(:ids AS bigint[])) AND q.state = 'dead_letter';
+
+
+-- name: controls_sample
+-- The rows :ids (what a dry run shows), in the order of :ids.
+SELECT q.id, q.kind, q.key, q.tenant, q.state, q.reason, q.dead_reason, q.attempts,
+       q.max_attempts, q.lease_owner, q.created_at, q.finished_at
+FROM unnest(CAST(:ids AS bigint[])) WITH ORDINALITY AS s(id, ord)
+JOIN enrichq.queue AS q ON q.id = s.id
+ORDER BY s.ord;
+
+
+-- name: controls_cancel_batch
+-- queued/leased → dead_letter (cancelled) for the rows of :batch_ids that still match the
+-- filter; returns how many were queued and how many leased. A leased row leaves `leased`,
+-- which is what fences its worker: every heartbeat and settle matches state = 'leased', so
+-- the worker's later writes are refused and its result is never written. The lease columns
+-- are cleared and finished_at set, as for every terminal row (the table's CHECKs).
+WITH clock AS (
+    SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
+),
+-- locked in the queue's lock order; a row a worker settled while this waited is checked
+-- again on its new version (READ COMMITTED) and left alone when it no longer matches
+chosen AS (
+    SELECT q.id, q.state AS was
+    FROM enrichq.queue AS q
+    WHERE q.id = ANY(CAST(:batch_ids AS bigint[]))
+      AND q.state IN ('queued', 'leased')
+      AND (CAST(:keys AS text[]) IS NULL OR q.key = ANY(CAST(:keys AS text[])))
+      AND (CAST(:tenant AS text) IS NULL OR q.tenant = CAST(:tenant AS text))
+      AND (CAST(:kind AS text) IS NULL OR q.kind = CAST(:kind AS text))
+      AND (CAST(:reason AS text) IS NULL OR q.reason = CAST(:reason AS text))
+      AND (CAST(:older_than_seconds AS float8) IS NULL
+           OR q.created_at < coalesce(CAST(:now AS timestamptz), now())
+                             - make_interval(secs => CAST(:older_than_seconds AS float8)))
+    ORDER BY q.key COLLATE "C", q.kind COLLATE "C", q.id
+    FOR UPDATE OF q
+),
+cancelled AS (
+    UPDATE enrichq.queue AS q
+    SET state = 'dead_letter', dead_reason = 'cancelled', superseded_by = NULL,
+        finished_at = clock.now, updated_at = clock.now,
+        lease_owner = NULL, lease_expires_at = NULL, heartbeat_at = NULL
+    FROM chosen, clock
+    WHERE q.id = chosen.id
+    RETURNING chosen.was
+)
+SELECT count(*) FILTER (WHERE c.was = 'queued') AS queued,
+       count(*) FILTER (WHERE c.was = 'leased') AS leased
+FROM cancelled AS c;
+
+
+-- name: controls_discard_batch
+-- Deletes the dead letters of :batch_ids that still match the filter; returns how many.
+WITH chosen AS (
+    SELECT q.id
+    FROM enrichq.queue AS q
+    WHERE q.id = ANY(CAST(:batch_ids AS bigint[]))
+      AND q.state = 'dead_letter'
+      AND (CAST(:keys AS text[]) IS NULL OR q.key = ANY(CAST(:keys AS text[])))
+      AND (CAST(:tenant AS text) IS NULL OR q.tenant = CAST(:tenant AS text))
+      AND (CAST(:kind AS text) IS NULL OR q.kind = CAST(:kind AS text))
+      AND (CAST(:reason AS text) IS NULL OR q.dead_reason = CAST(:reason AS text))
+      AND (CAST(:older_than_seconds AS float8) IS NULL
+           OR q.finished_at < coalesce(CAST(:now AS timestamptz), now())
+                              - make_interval(secs => CAST(:older_than_seconds AS float8)))
+    ORDER BY q.key COLLATE "C", q.kind COLLATE "C", q.id
+    FOR UPDATE OF q
+),
+deleted AS (
+    DELETE FROM enrichq.queue AS q
+    USING chosen
+    WHERE q.id = chosen.id
+    RETURNING q.id
+)
+SELECT count(*) AS discarded FROM deleted;
+
+
+-- name: controls_redrive_batch
+-- dead_letter → queued (visible now, attempts 0, reason redrive) for the dead letters of
+-- :batch_ids that still match the filter, merging like enqueue: a row is redriven when it
+-- is the newest match of its (kind, key) (:winners[i] is that id for :batch_ids[i]) and
+-- the key has no queued row; the others stay dead (merged). Returns how many of each.
+-- last_error is kept: it says why the row died until its next attempt says otherwise.
+WITH clock AS (
+    SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
+),
+batch AS (
+    SELECT b.id, b.winner
+    FROM unnest(CAST(:batch_ids AS bigint[]), CAST(:winners AS bigint[])) AS b(id, winner)
+),
+chosen AS (
+    SELECT q.id, q.kind, q.key, b.winner
+    FROM enrichq.queue AS q
+    JOIN batch AS b ON b.id = q.id
+    WHERE q.state = 'dead_letter'
+      AND (CAST(:keys AS text[]) IS NULL OR q.key = ANY(CAST(:keys AS text[])))
+      AND (CAST(:tenant AS text) IS NULL OR q.tenant = CAST(:tenant AS text))
+      AND (CAST(:kind AS text) IS NULL OR q.kind = CAST(:kind AS text))
+      AND (CAST(:reason AS text) IS NULL OR q.dead_reason = CAST(:reason AS text))
+      AND (CAST(:older_than_seconds AS float8) IS NULL
+           OR q.finished_at < coalesce(CAST(:now AS timestamptz), now())
+                              - make_interval(secs => CAST(:older_than_seconds AS float8)))
+    ORDER BY q.key COLLATE "C", q.kind COLLATE "C", q.id
+    FOR UPDATE OF q
+),
+-- the batch's keys' queued rows, one index probe per key; one queued after this
+-- statement's snapshot shows up as a unique violation instead, and the caller runs the
+-- statement again (enrichq_schema.db.rerun_lost_races)
+queued AS (
+    SELECT o.id, o.kind, o.key
+    FROM (SELECT DISTINCT c.kind, c.key FROM chosen AS c) AS k
+    CROSS JOIN LATERAL (
+        SELECT q.id, q.kind, q.key FROM enrichq.queue AS q
+        WHERE q.state = 'queued' AND q.kind = k.kind AND q.key = k.key
+    ) AS o
+),
+decided AS (
+    SELECT c.id, c.kind, (qd.id IS NULL AND c.id = c.winner) AS redrive
+    FROM chosen AS c
+    LEFT JOIN queued AS qd ON qd.kind = c.kind AND qd.key = c.key
+),
+redriven AS (
+    UPDATE enrichq.queue AS q
+    SET state = 'queued', attempts = 0, reason = 'redrive', visible_at = clock.now,
+        dead_reason = NULL, superseded_by = NULL, finished_at = NULL, updated_at = clock.now,
+        lease_owner = NULL, lease_expires_at = NULL, heartbeat_at = NULL
+    FROM decided AS d, clock
+    WHERE q.id = d.id AND d.redrive
+    RETURNING q.kind
+),
+-- wake LISTENing workers once per kind that got work back (delivered at commit)
+notified AS (
+    SELECT count(pg_notify('enrichq_queue', k.kind)) AS n
+    FROM (SELECT DISTINCT r.kind FROM redriven AS r) AS k
+)
+SELECT count(*) FILTER (WHERE d.redrive) AS redriven,
+       count(*) FILTER (WHERE NOT d.redrive) AS merged
+FROM decided AS d
+CROSS JOIN notified;

@@ -1,0 +1,191 @@
+"""The operator controls' statements read open rows or dead letters, never the history.
+
+Like test_queue_plans.py: 200,000 terminal rows (a fifth of them dead letters, so dead
+letters are many too) and a few hundred open ones, ANALYZEd. For every filter an operator
+can give, EXPLAIN shows no sequential scan of enrichq.queue and only these indexes:
+
+- selecting open rows (cancel): the partial indexes over queued and leased rows;
+- selecting dead letters (dlq): the dead-letter partial indexes (never the index over every
+  terminal row, which would read the done/failed history too);
+- the batches and the sample: the primary key (lookups by id), maybe combined with the
+  scope's partial indexes, plus the queued-key index for redrive's merge probe.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from tests.support.pg import Databases
+
+from enrichq_schema.db import create_engine
+from enrichq_sweeper import controls
+from enrichq_sweeper.filters import Filter, Scope
+
+TERMINAL_ROWS = 200_000
+
+FILL = """
+INSERT INTO enrichq.queue (kind, key, tenant, priority, reason, state, visible_at, attempts,
+                           max_attempts, finished_at, dead_reason, created_at)
+SELECT CASE WHEN g % 10 = 0 THEN 'refresh' ELSE 'enrich' END, 'H-' || g,
+       (ARRAY['acme', 'globex', 'initech', NULL])[1 + g % 4], 1, 'created',
+       (ARRAY['done', 'done', 'done', 'failed', 'dead_letter'])[1 + g % 5],
+       now() - interval '2 days', 1, 5, now() - make_interval(secs => g),
+       CASE WHEN g % 5 = 4 THEN (ARRAY['attempts_exhausted', 'superseded'])[1 + g % 2] END,
+       now() - interval '3 days'
+FROM generate_series(1, :terminal) AS g;
+
+INSERT INTO enrichq.queue (kind, key, tenant, priority, reason, visible_at, max_attempts,
+                           created_at)
+SELECT CASE WHEN g % 10 = 0 THEN 'refresh' ELSE 'enrich' END, 'Q-' || g,
+       (ARRAY['acme', 'globex', 'initech', NULL])[1 + g % 4], 1, 'updated',
+       now() + make_interval(secs => (g % 3 - 1) * 300), 5, now() - make_interval(mins => g)
+FROM generate_series(1, 300) AS g;
+
+INSERT INTO enrichq.queue (kind, key, tenant, priority, reason, state, visible_at, attempts,
+                           max_attempts, lease_owner, lease_expires_at, heartbeat_at)
+SELECT 'enrich', 'L-' || g, 'acme', 1, 'updated', 'leased', now() - interval '5 minutes', 1, 5,
+       'w-' || (g % 10), now() + interval '1 minute', now()
+FROM generate_series(1, 200) AS g;
+"""
+
+SCAN_TYPES = {"Seq Scan", "Index Scan", "Index Only Scan", "Bitmap Heap Scan", "Tid Scan"}
+OPEN_INDEXES = {
+    "queue_queued_key_uq",
+    "queue_claim_idx",
+    "queue_leased_key_uq",
+    "queue_leased_expiry_idx",
+}
+DEAD_INDEXES = {"queue_dead_reason_idx", "queue_dead_finished_idx"}
+PRIMARY_KEY = "queue_pkey"
+
+
+@pytest.fixture(scope="module")
+def engine(databases: Databases) -> Iterator[sa.Engine]:
+    url = databases.clone("control_plans")
+    eng = create_engine(url, pool_size=2)
+    try:
+        with eng.begin() as conn:
+            for statement in filter(str.strip, FILL.split(";")):
+                conn.execute(sa.text(statement), {"terminal": TERMINAL_ROWS})
+        with eng.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(sa.text("VACUUM ANALYZE enrichq.queue"))
+        yield eng
+    finally:
+        eng.dispose()
+        databases.drop(url)
+
+
+def walk(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield node
+    for child in node.get("Plans", []):
+        yield from walk(child)
+
+
+def plan_of(conn: sa.Connection, name: str, params: dict[str, Any]) -> dict[str, Any]:
+    """The JSON plan of a controls statement, planned with its parameters (as it runs)."""
+    raw = conn.execute(
+        sa.text("EXPLAIN (FORMAT JSON) " + controls.sql()[name].sql), params
+    ).scalar_one()
+    document = json.loads(raw) if isinstance(raw, str) else raw
+    plan: dict[str, Any] = document[0]["Plan"]
+    return plan
+
+
+def queue_reads(plan: dict[str, Any]) -> tuple[list[str], set[str]]:
+    """The scan node types that read enrichq.queue, and the indexes they use."""
+    scans = [
+        n for n in walk(plan) if n["Node Type"] in SCAN_TYPES and n.get("Relation Name") == "queue"
+    ]
+    used = {n["Index Name"] for n in scans if "Index Name" in n}
+    for heap in (n for n in scans if n["Node Type"] == "Bitmap Heap Scan"):
+        used |= {n["Index Name"] for n in walk(heap) if n["Node Type"] == "Bitmap Index Scan"}
+    return [n["Node Type"] for n in scans], used
+
+
+CRITERIA = [
+    {"all_rows": True},
+    {"tenant": "acme"},
+    {"kind": "refresh"},
+    {"keys": ["Q-3", "L-7", "H-9"]},
+    {"ids": [5, 200_100, 200_350]},
+    {"older_than": "2h"},
+    {"reason": "updated", "tenant": "globex", "older_than": "30m"},
+]
+
+
+@pytest.mark.parametrize("criteria", CRITERIA, ids=json.dumps)
+def test_selecting_open_rows_reads_only_the_open_row_indexes(
+    engine: sa.Engine, criteria: dict[str, Any]
+) -> None:
+    flt = Filter.build(Scope.OPEN, **criteria)
+    with engine.connect() as conn:
+        types, used = queue_reads(
+            plan_of(conn, "controls_select_open", {**flt.params(), "now": None})
+        )
+    assert "Seq Scan" not in types
+    allowed = OPEN_INDEXES | ({PRIMARY_KEY} if flt.ids else set())
+    assert used, "no index read"
+    assert used <= allowed, f"reads history through {used - allowed}"
+
+
+DEAD_CRITERIA = [
+    {"all_rows": True},
+    {"reason": "superseded"},
+    {"tenant": "acme"},
+    {"older_than": "1d"},
+    {"reason": "attempts_exhausted", "older_than": "7d"},
+    {"keys": ["H-4", "H-9"]},
+    {"ids": [4, 9, 14]},
+]
+
+
+@pytest.mark.parametrize("criteria", DEAD_CRITERIA, ids=json.dumps)
+def test_selecting_dead_letters_reads_only_the_dead_letter_index(
+    engine: sa.Engine, criteria: dict[str, Any]
+) -> None:
+    flt = Filter.build(Scope.DEAD, **criteria)
+    with engine.connect() as conn:
+        types, used = queue_reads(
+            plan_of(conn, "controls_select_dead", {**flt.params(), "now": None})
+        )
+    assert "Seq Scan" not in types
+    allowed = DEAD_INDEXES | ({PRIMARY_KEY} if flt.ids else set())
+    assert used, "no index read"
+    assert used <= allowed, f"reads history through {used - allowed}"
+
+
+def batch_ids(engine: sa.Engine, scope: Scope) -> tuple[list[int], list[int]]:
+    flt = Filter.build(scope, all_rows=True)
+    with engine.connect() as conn:
+        selection = controls.select(conn, flt)
+    n = 1000 if scope is Scope.DEAD else 500
+    return list(selection.ids[:n]), list(selection.winners[:n])
+
+
+@pytest.mark.parametrize(
+    ("name", "scope"),
+    [
+        ("controls_cancel_batch", Scope.OPEN),
+        ("controls_discard_batch", Scope.DEAD),
+        ("controls_redrive_batch", Scope.DEAD),
+        ("controls_sample", Scope.OPEN),
+    ],
+)
+def test_a_batch_finds_its_rows_by_id(engine: sa.Engine, name: str, scope: Scope) -> None:
+    ids, winners = batch_ids(engine, scope)
+    flt = Filter.build(scope, tenant="acme")
+    params = {**flt.params(), "batch_ids": ids, "winners": winners, "now": None}
+    if name == "controls_sample":
+        params = {"ids": ids[:10]}
+    with engine.connect() as conn:
+        types, used = queue_reads(plan_of(conn, name, params))
+    assert "Seq Scan" not in types
+    allowed = {PRIMARY_KEY} | (OPEN_INDEXES if scope is Scope.OPEN else DEAD_INDEXES)
+    if name == "controls_redrive_batch":
+        allowed.add("queue_queued_key_uq")
+    assert PRIMARY_KEY in used
+    assert used <= allowed, f"unexpected indexes {used - allowed}"
