@@ -359,15 +359,47 @@ def parity_show(ctx: Context, run_id: int, json_path: Path | None, html_path: Pa
 
 @cli.command()
 @click.option("--rollback", is_flag=True, help="Point consumers back at the legacy table.")
+@click.option(
+    "--tenant",
+    "tenants",
+    multiple=True,
+    help="Move only this tenant (repeat): a staged cutover. Default: every tenant.",
+)
+@click.option(
+    "--status", "show_status", is_flag=True, help="Per tenant: what consumers read, since when."
+)
+@click.option("--json", "as_json", is_flag=True, help="With --status: print JSON.")
 @click.option("--actor", default=None, help="Who does this (default: the OS user).")
 @pass_context
-def cutover(ctx: Context, rollback: bool, actor: str | None) -> None:
-    """Point consumers at the shadow table, only after a fresh passing parity run."""
+def cutover(
+    ctx: Context,
+    *,
+    rollback: bool,
+    tenants: tuple[str, ...],
+    show_status: bool,
+    as_json: bool,
+    actor: str | None,
+) -> None:
+    """Point consumers at the shadow table, after a passing, fresh and approved parity run."""
+    if show_status and (rollback or tenants or actor is not None):
+        fail("cutover: --status only shows the state; it takes no --rollback, --tenant or --actor")
+    if as_json and not show_status:
+        fail("cutover: --json goes with --status")
     from enrichq_parity.cutover import run_cli
 
     settings = ctx.settings
     with ctx.database() as url:
-        sys.exit(run_cli(settings, url, rollback=rollback, actor=actor))
+        sys.exit(
+            run_cli(
+                settings,
+                url,
+                rollback=rollback,
+                actor=actor,
+                tenants=tenants,
+                show_status=show_status,
+                as_json=as_json,
+            )
+        )
 
 
 @cli.command()
