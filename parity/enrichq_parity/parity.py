@@ -753,7 +753,7 @@ def print_summary(console: Any, report: ParityReport) -> None:
         "shadow fault rate", pct(t.shadow_fault_rate), f"max {pct(bars.max_shadow_fault_rate)}"
     )
     table.add_row("ticket match rate", pct(t.ticket_match_rate), "both flows agree (not a bar)")
-    table.add_row("tickets compared", f"{t.compared:,}", "")
+    table.add_row("tickets compared", f"{t.compared:,}", f"exact matches {t.exact:,}")
     table.add_row(
         "tickets excluded",
         f"{t.excluded:,}",
@@ -769,7 +769,6 @@ def print_summary(console: Any, report: ParityReport) -> None:
         table.add_row(FAULT_LABELS[fault].lower(), f"{t.in_group(fault):,}", note)
         for c in classes_of(fault):
             table.add_row(f"  {CLASS_LABELS[c].lower()}", f"{t.count(c):,}", "")
-    table.add_row("  exact", f"{t.exact:,}", "")
     table.add_row(
         "orders",
         f"{t.legacy_orders:,}",

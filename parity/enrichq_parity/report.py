@@ -44,6 +44,8 @@ MAX_RULE_CHIPS = 30
 """Ticket ids shown per accept rule."""
 
 STATE_BADGES = {"pass": "PASS", "review": "PASS", "fail": "FAIL", "empty": "NOTHING TO JUDGE"}
+STATE_WORDS = {"pass": "pass", "review": "to accept", "fail": "fail", "empty": "no data"}
+"""A tenant's or a day's state in the breakdown tables."""
 
 
 def to_json(report: ParityReport, approvals: Sequence[Approval] = ()) -> str:
@@ -64,6 +66,7 @@ def to_html(report: ParityReport, approvals: Sequence[Approval] = ()) -> str:
         t=t,
         verdict=verdict,
         badge=STATE_BADGES[verdict.state],
+        state_words=STATE_WORDS,
         approvals=list(approvals),
         checklist=_checklist(report, approvals),
         cards=_cards(report),
@@ -142,7 +145,7 @@ class _Card:
 
 @dataclass(frozen=True, slots=True)
 class _Check:
-    ok: bool
+    tone: str  # ok, bad (enrichq's own faults) or todo (a step of the review left)
     label: str
     detail: str
 
@@ -222,14 +225,12 @@ def _checklist(report: ParityReport, approvals: Sequence[Approval]) -> list[_Che
         if approvals
         else f"not yet: enrichq parity approve {report.run_id} --by NAME"
     )
+    shadow_detail = verdict.reason.split("; ")[0] if verdict.passed else verdict.reason
+    legacy_ok = verdict.passed and t.unaccepted_legacy_faults == 0
     return [
-        _Check(verdict.passed, "Shadow faults within the bars", verdict.reason.split(";")[0]),
-        _Check(
-            verdict.passed and t.unaccepted_legacy_faults == 0,
-            "Legacy faults accepted",
-            accepted_detail,
-        ),
-        _Check(bool(approvals), "Approved by a reviewer", approved_detail),
+        _Check("ok" if verdict.passed else "bad", "Shadow faults within the bars", shadow_detail),
+        _Check("ok" if legacy_ok else "todo", "Legacy faults accepted", accepted_detail),
+        _Check("ok" if approvals else "todo", "Approved by a reviewer", approved_detail),
     ]
 
 
