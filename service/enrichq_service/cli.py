@@ -246,8 +246,18 @@ def _parse_day(value: str | None, name: str) -> Any:
 @cli.group(invoke_without_command=True)
 @click.option("--since", help="Start of the window (YYYY-MM-DD or ISO time, UTC); default 7 days.")
 @click.option("--until", help="End of the window (exclusive); default now.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write the JSON report.",
+)
+@click.option(
+    "--html",
+    "html_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write the HTML report (one self-contained file).",
+)
 @click.option(
     "--csv",
     "csv_path",
@@ -316,7 +326,7 @@ def parity(
         )
 
 
-@parity.command("approve")
+@parity.command("approve", short_help="Sign a reviewed run (cutover needs one).")
 @click.argument("run_id", type=click.IntRange(min=1))
 @click.option("--by", "by", required=True, help="Who approves: the reviewer's name.")
 @click.option("--note", default=None, help="What was checked, or why it is fine.")
@@ -330,7 +340,7 @@ def parity_approve(ctx: Context, run_id: int, by: str, note: str | None) -> None
         sys.exit(approve_cli(settings, url, run_id=run_id, by=by, note=note))
 
 
-@parity.command("runs")
+@parity.command("runs", short_help="Recent runs: verdict, rules, approvals.")
 @click.option("--limit", type=click.IntRange(min=1, max=1000), default=20, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON lines.")
 @pass_context
@@ -343,7 +353,7 @@ def parity_runs(ctx: Context, limit: int, as_json: bool) -> None:
         sys.exit(runs_cli(settings, url, limit=limit, as_json=as_json))
 
 
-@parity.command("show")
+@parity.command("show", short_help="A recorded run's summary and reports, again.")
 @click.argument("run_id", type=click.IntRange(min=1))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path))
