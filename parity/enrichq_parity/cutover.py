@@ -1,24 +1,37 @@
-"""Cutover: repoint the consumer view from the legacy table to the shadow table, and back.
+"""Cutover: move consumers from the legacy table to the shadow table, whole or per tenant.
 
-Consumers read ``enrichq_public.ticket_orders`` (ticket_id, order_id, looked_up_at). A
-cutover swaps what it reads in one transaction with CREATE OR REPLACE VIEW, only after a
-fresh passing parity run; a rollback swaps it back. Both are recorded in
-``enrichq.cutover_events``. This is the one module that touches consumer-facing objects:
-service and sweeper code never import it (an import-linter contract).
+Consumers read ``enrichq_public.ticket_orders`` (ticket_id, order_id, looked_up_at). The
+view is in one of three modes:
+
+- ``legacy``: it reads the legacy table (before any cutover, and after a full rollback);
+- ``staged``: it reads enrichq's rows for the tenants in ``enrichq_public.cutover_tenants``
+  and the legacy rows for every other ticket (``enrichq cutover --tenant T``);
+- ``shadow``: it reads enrichq's table for every ticket (``enrichq cutover``).
+
+Every step is one transaction, under an advisory lock, recorded in ``enrichq.cutover_events``
+(one event per tenant moved, or one with no tenant for the whole view). A move towards
+enrichq is gated on the latest finished parity run: it passed (for each tenant moved, on
+that tenant's own figures, every legacy fault accepted), it is fresh, and a reviewer
+approved it. Going back is never gated. This is the one module that touches
+consumer-facing objects: service and sweeper code never import it (an import-linter
+contract).
 """
 
 from __future__ import annotations
 
 import getpass
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
 from enrichq_parity import names
-from enrichq_parity.model import pct
+from enrichq_parity.model import Approval, Tally, Thresholds, decide, plural
+from enrichq_parity.review import ReviewInputError, approvals_of, check_name
 from enrichq_schema.errors import EnrichqError
 from enrichq_schema.queries import Queries, load
 from enrichq_schema.tables import PUBLIC_SCHEMA
@@ -27,9 +40,10 @@ if TYPE_CHECKING:
     from enrichq_service.settings import Settings
 
 VIEW = f"{PUBLIC_SCHEMA}.ticket_orders"
+STAGED_TENANTS = f"{PUBLIC_SCHEMA}.cutover_tenants"
 SHADOW_TABLE = "enrichq.ticket_orders"
 LOCK_TIMEOUT = "5s"
-ACTOR_MAX_LENGTH = 200
+TENANT_MAX_LENGTH = 200
 LOCK_NOT_AVAILABLE = "55P03"
 
 EXIT_OK = 0
@@ -42,29 +56,156 @@ class CutoverError(EnrichqError):
 
 
 class CutoverRefused(EnrichqError):
-    """The parity gate refused the cutover."""
+    """The cutover is refused (the parity gate, or a step that does not apply)."""
+
+
+class Action(StrEnum):
+    """Towards enrichq's rows, or back to the legacy rows."""
+
+    CUTOVER = "cutover"
+    ROLLBACK = "rollback"
+
+
+class Mode(StrEnum):
+    """What the consumer view reads."""
+
+    LEGACY = "legacy"
+    STAGED = "staged"
+    SHADOW = "shadow"
 
 
 @dataclass(frozen=True, slots=True)
-class LatestRun:
-    """The latest finished parity run, as the gate sees it."""
+class ViewState:
+    """The view's mode and, when staged, the tenants that read enrichq's rows."""
+
+    mode: Mode
+    tenants: frozenset[str] = frozenset()
+
+    def reads_shadow(self, tenant: str) -> bool:
+        """Whether consumers see enrichq's rows for this tenant's tickets."""
+        return self.mode is Mode.SHADOW or (self.mode is Mode.STAGED and tenant in self.tenants)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One step: the state it leads to, and the tenants it moves (None: every tenant)."""
+
+    target: ViewState
+    moved: tuple[str, ...] | None
+
+    @property
+    def changes(self) -> bool:
+        """Whether the step does anything."""
+        return self.moved is None or bool(self.moved)
+
+
+def plan(current: ViewState, action: Action, tenants: Sequence[str] | None) -> Plan | None:
+    """The step that `action` on `tenants` (None: every tenant) takes from `current`.
+
+    None: nothing to do (already there). CutoverRefused: a tenant cannot move back from a
+    whole cutover (there is no list of the tenants that would stay).
+    """
+    if tenants is None:
+        target = Mode.SHADOW if action is Action.CUTOVER else Mode.LEGACY
+        if current.mode is target and not current.tenants:
+            return None
+        return Plan(ViewState(target), None)
+    asked = frozenset(tenants)
+    if action is Action.CUTOVER:
+        if current.mode is Mode.SHADOW:
+            return None
+        moved = tuple(sorted(asked - current.tenants))
+        if not moved:
+            return None
+        return Plan(ViewState(Mode.STAGED, current.tenants | asked), moved)
+    if current.mode is Mode.SHADOW:
+        raise CutoverRefused(
+            f"every tenant reads {SHADOW_TABLE} (a whole cutover): roll every tenant back with "
+            "`enrichq cutover --rollback`, then cut tenants over one by one"
+        )
+    moved = tuple(sorted(asked & current.tenants))
+    if not moved:
+        return None
+    remaining = current.tenants - asked
+    return Plan(ViewState(Mode.STAGED, remaining) if remaining else ViewState(Mode.LEGACY), moved)
+
+
+@dataclass(frozen=True, slots=True)
+class GateRun:
+    """The latest finished parity run, as the gate sees it.
+
+    `thresholds` is None for a run recorded before verdicts by fault.
+    """
 
     id: int
     finished_at: datetime
-    passed: bool | None
-    order_coverage: float | None
-    ticket_match_rate: float | None
+    thresholds: Thresholds | None
+    total: Tally
+    tenants: Mapping[str, Tally]
+    approvals: tuple[Approval, ...]
+
+
+def gate(
+    run: GateRun | None, now: datetime, max_age_hours: float, tenants: Sequence[str] | None
+) -> list[str]:
+    """What keeps a cutover of `tenants` (None: every tenant) from happening; [] allows it.
+
+    The three things cutover needs of the latest finished run, each said when missing:
+    it passed (on each moved tenant's own figures, every legacy fault accepted), it is
+    fresh, and a reviewer approved it.
+    """
+    if run is None:
+        return ["no finished parity run: run `enrichq parity` first"]
+    missing: list[str] = []
+    if run.thresholds is None:
+        missing.append(
+            f"parity run #{run.id} was recorded before verdicts by fault: run `enrichq parity` "
+            "again"
+        )
+    else:
+        for tenant in [None] if tenants is None else tenants:
+            missing.extend(_passing(run, run.thresholds, tenant))
+    age = now - run.finished_at
+    if age >= timedelta(hours=max_age_hours):
+        missing.append(
+            f"parity run #{run.id} finished {age.total_seconds() / 3600:.1f} h ago, older than "
+            f"ENRICHQ_PARITY_MAX_AGE_HOURS ({max_age_hours:g}): run `enrichq parity` again"
+        )
+    if not run.approvals:
+        missing.append(
+            f"parity run #{run.id} is not approved: review its report, then "
+            f"`enrichq parity approve {run.id} --by NAME`"
+        )
+    return missing
+
+
+def _passing(run: GateRun, thresholds: Thresholds, tenant: str | None) -> list[str]:
+    """Why the run does not pass for `tenant` (None: over every ticket); [] when it does."""
+    tally = run.total if tenant is None else run.tenants.get(tenant)
+    who = "" if tenant is None else f" for tenant {_name(tenant)}"
+    if tally is None:
+        return [f"parity run #{run.id} has no tickets of tenant {_name(tenant)}: nothing to judge"]
+    verdict = decide(tally, thresholds)
+    if not verdict.passed:
+        return [f"parity run #{run.id} did not pass{who} ({verdict.reason})"]
+    if not verdict.ready:
+        return [
+            f"parity run #{run.id} has "
+            f"{plural(tally.unaccepted_legacy_faults, 'legacy-fault ticket')}{who} that no "
+            "accepted rule covers: accept them (`enrichq parity --accept FILE`) and run parity "
+            "again"
+        ]
+    return []
 
 
 @dataclass(frozen=True, slots=True)
 class CutoverResult:
-    """What a cutover or rollback did (changed=False: the view already read the target)."""
+    """What a cutover or rollback did (changed=False: it was there already)."""
 
-    action: str
-    target: str
-    previous: str
+    action: Action
     changed: bool
-    event_id: int | None
+    state: ViewState
+    event_ids: tuple[int, ...]
     parity_run_id: int | None
     message: str
 
@@ -73,122 +214,191 @@ def _queries() -> Queries:
     return load("enrichq_parity", "sql/cutover.sql")
 
 
-def gate(latest: LatestRun | None, now: datetime, max_age_hours: float) -> str | None:
-    """Why a cutover must not happen now, or None when the latest run allows it."""
-    if latest is None:
-        return "no finished parity run: run `enrichq parity` first"
-    if not latest.passed:
-        return (
-            f"the latest parity run #{latest.id} did not pass (order coverage "
-            f"{pct(latest.order_coverage)}, ticket match rate {pct(latest.ticket_match_rate)})"
-        )
-    age = now - latest.finished_at
-    if age >= timedelta(hours=max_age_hours):
-        return (
-            f"the latest parity run #{latest.id} finished {age.total_seconds() / 3600:.1f} h "
-            f"ago, older than ENRICHQ_PARITY_MAX_AGE_HOURS ({max_age_hours:g}): "
-            "run `enrichq parity` again"
-        )
-    return None
-
-
-def ensure_view(conn: sa.Connection, settings: Settings) -> str:
+def ensure_view(conn: sa.Connection, settings: Settings) -> ViewState:
     """Create the consumer view on the legacy table if it is missing; what it reads now."""
     q = _queries()
     conn.execute(q("cutover_lock"))
-    if not _exists(conn, PUBLIC_SCHEMA + ".ticket_orders"):
-        if not conn.execute(
-            sa.text("SELECT 1 FROM pg_namespace WHERE nspname = :name"), {"name": PUBLIC_SCHEMA}
-        ).first():
+    if not _exists(conn, VIEW):
+        present = conn.execute(q("cutover_schema_exists"), {"name": PUBLIC_SCHEMA}).scalar_one()
+        if not present:
             raise CutoverError(f"schema {PUBLIC_SCHEMA} does not exist (run `enrichq migrate`)")
-        _point(conn, settings.legacy_table, settings)
-    return _source(conn)
+        _point(conn, Mode.LEGACY, settings)
+    return view_state(conn, settings)
 
 
-def cutover(
-    conn: sa.Connection, settings: Settings, *, actor: str, now: datetime | None = None
+def view_state(conn: sa.Connection, settings: Settings) -> ViewState:
+    """What the view reads now (legacy when it does not exist yet)."""
+    sources = set(_sources(conn))
+    if not sources or sources == {settings.legacy_table}:
+        return ViewState(Mode.LEGACY)
+    if STAGED_TENANTS in sources:
+        tenants = conn.execute(_queries()("cutover_staged_tenants")).scalars().all()
+        return ViewState(Mode.STAGED, frozenset(tenants))
+    if sources == {SHADOW_TABLE}:
+        return ViewState(Mode.SHADOW)
+    # Someone pointed it elsewhere by hand: the next step repoints it as enrichq would.
+    return ViewState(Mode.LEGACY if SHADOW_TABLE not in sources else Mode.SHADOW)
+
+
+def repoint(
+    conn: sa.Connection,
+    settings: Settings,
+    *,
+    action: Action,
+    tenants: Sequence[str] | None,
+    actor: str,
+    now: datetime | None = None,
 ) -> CutoverResult:
-    """Point the view at the shadow table if the latest parity run passed and is fresh."""
+    """Move `tenants` (None: every tenant) towards enrichq's rows or back, in the caller's
+    transaction: gate (towards enrichq only), record one event per tenant moved, then change
+    the staged set and, when the mode changes, the view. CutoverRefused: the gate said no."""
     q = _queries()
     conn.execute(q("cutover_lock"))
     conn.execute(q("cutover_lock_timeout"), {"timeout": LOCK_TIMEOUT})
-    previous = ensure_view(conn, settings)
-    if previous == SHADOW_TABLE:
-        return CutoverResult(
-            "cutover", SHADOW_TABLE, previous, False, None, None,
-            f"{VIEW} already reads {SHADOW_TABLE}; nothing changed",
-        )  # fmt: skip
+    current = ensure_view(conn, settings)
+    step = plan(current, action, tenants)
+    if step is None:
+        return CutoverResult(action, False, current, (), None, _unchanged(action, tenants))
     at: datetime = conn.execute(q("cutover_now"), {"now": now}).scalar_one()
-    latest = _latest(conn)
-    refusal = gate(latest, at, settings.parity_max_age_hours)
-    if refusal is not None:
-        raise CutoverRefused(refusal)
-    assert latest is not None  # the gate refuses when there is no run
-    _point(conn, SHADOW_TABLE, settings)
-    event = _record(
-        conn,
-        action="cutover",
-        target=SHADOW_TABLE,
-        parity_run_id=latest.id,
-        actor=actor,
-        now=now,
-        note=f"was {previous}",
+    run = _gate_run(conn)
+    if action is Action.CUTOVER:
+        refusals = gate(run, at, settings.parity_max_age_hours, step.moved)
+        if refusals:
+            raise CutoverRefused("; ".join(refusals))
+    run_id = None if run is None else run.id
+    target_table = SHADOW_TABLE if action is Action.CUTOVER else settings.legacy_table
+    was = _describe(current, settings)
+    events = tuple(
+        _record(
+            conn,
+            action=action,
+            target=target_table,
+            parity_run_id=run_id,
+            actor=actor,
+            now=now,
+            note=f"was: {was}",
+            tenant=tenant,
+        )
+        for tenant in (step.moved if step.moved is not None else [None])
     )
-    age_hours = (at - latest.finished_at).total_seconds() / 3600
+    _apply(conn, settings, current, step, events)
     return CutoverResult(
-        "cutover", SHADOW_TABLE, previous, True, event, latest.id,
-        f"{VIEW} now reads {SHADOW_TABLE} (was {previous}); parity run #{latest.id} passed "
-        f"{age_hours:.1f} h ago; event #{event} by {actor}",
-    )  # fmt: skip
+        action,
+        True,
+        step.target,
+        events,
+        run_id,
+        _moved(action, step, settings=settings, run=run, at=at, events=events, actor=actor),
+    )
 
 
-def rollback(conn: sa.Connection, settings: Settings, *, actor: str) -> CutoverResult:
-    """Point the view back at the legacy table (no gate: going back is always allowed)."""
+def _apply(
+    conn: sa.Connection,
+    settings: Settings,
+    current: ViewState,
+    step: Plan,
+    events: Sequence[int],
+) -> None:
+    """Change the staged set and, if the mode changes, the view (same transaction)."""
     q = _queries()
-    conn.execute(q("cutover_lock"))
-    conn.execute(q("cutover_lock_timeout"), {"timeout": LOCK_TIMEOUT})
-    previous = ensure_view(conn, settings)
-    # Names are quoted only when they need it, so the catalog spells them as configured.
-    legacy = settings.legacy_table
-    if previous == legacy:
-        return CutoverResult(
-            "rollback", legacy, previous, False, None, None,
-            f"{VIEW} already reads {legacy}; nothing changed",
-        )  # fmt: skip
-    latest = _latest(conn)
-    run_id = latest.id if latest else None
-    _point(conn, settings.legacy_table, settings)
-    event = _record(
-        conn,
-        action="rollback",
-        target=legacy,
-        parity_run_id=run_id,
-        actor=actor,
-        now=None,
-        note=f"was {previous}",
+    target = step.target
+    if target.mode is Mode.STAGED:
+        assert step.moved is not None  # only a per-tenant step stages
+        if target.tenants > current.tenants:
+            for tenant, event_id in zip(step.moved, events, strict=True):
+                conn.execute(q("cutover_stage_tenant"), {"tenant": tenant, "event_id": event_id})
+        else:
+            conn.execute(q("cutover_unstage_tenants"), {"tenants": list(step.moved)})
+    else:
+        conn.execute(q("cutover_unstage_all"))
+    if target.mode is not current.mode:
+        _point(conn, target.mode, settings)
+
+
+def _point(conn: sa.Connection, mode: Mode, settings: Settings) -> None:
+    """CREATE OR REPLACE the view for `mode`; a missing table is a one-line error."""
+    q = _queries()
+    legacy = names.qualified(conn.dialect, settings.legacy_table)
+    if not _exists(conn, legacy):
+        raise CutoverError(f"table {settings.legacy_table} does not exist (ENRICHQ_LEGACY_TABLE)")
+    if mode is Mode.LEGACY:
+        conn.execute(names.render(q["cutover_point_view"], source=legacy))
+        return
+    if not _exists(conn, SHADOW_TABLE):
+        raise CutoverError(f"table {SHADOW_TABLE} does not exist (run `enrichq migrate`)")
+    if mode is Mode.SHADOW:
+        conn.execute(names.render(q["cutover_point_view"], source=SHADOW_TABLE))
+        return
+    tickets = names.qualified(conn.dialect, settings.tickets_table)
+    if not _exists(conn, tickets):
+        raise CutoverError(
+            f"table {settings.tickets_table} does not exist (ENRICHQ_TICKETS_TABLE): a staged "
+            "cutover finds each ticket's tenant there"
+        )
+    conn.execute(names.render(q["cutover_point_view_staged"], legacy=legacy, tickets=tickets))
+
+
+def _describe(state: ViewState, settings: Settings) -> str:
+    """What consumers read, in words."""
+    if state.mode is Mode.LEGACY:
+        return f"{settings.legacy_table} for every tenant"
+    if state.mode is Mode.SHADOW:
+        return f"{SHADOW_TABLE} for every tenant"
+    return (
+        f"{SHADOW_TABLE} for {_tenant_list(state.tenants)}, {settings.legacy_table} for the others"
     )
-    return CutoverResult(
-        "rollback", legacy, previous, True, event, run_id,
-        f"{VIEW} now reads {legacy} again (was {previous}); event #{event} by {actor}",
-    )  # fmt: skip
 
 
-_roll_back = rollback  # run_cli's `rollback` flag shadows the function's name
+def _unchanged(action: Action, tenants: Sequence[str] | None) -> str:
+    side = "enrichq's rows" if action is Action.CUTOVER else "the legacy rows"
+    if tenants is None:
+        return f"every tenant already reads {side} through {VIEW}; nothing changed"
+    verb = "reads" if len(set(tenants)) == 1 else "read"
+    return f"{_tenant_list(tenants)} already {verb} {side}; nothing changed"
 
 
-def _point(conn: sa.Connection, table: str, settings: Settings) -> None:
-    """CREATE OR REPLACE the view over `table`; a missing table is a one-line error."""
-    quoted = names.qualified(conn.dialect, table)
-    if not _exists(conn, quoted):
-        which = "ENRICHQ_LEGACY_TABLE" if table == settings.legacy_table else "enrichq migrate"
-        raise CutoverError(f"table {table} does not exist ({which})")
-    conn.execute(names.render(_queries()["cutover_point_view"], source=quoted))
+def _moved(
+    action: Action,
+    step: Plan,
+    *,
+    settings: Settings,
+    run: GateRun | None,
+    at: datetime,
+    events: Sequence[int],
+    actor: str,
+) -> str:
+    who = step.moved
+    subject = "every tenant" if who is None else _tenant_list(who)
+    table = SHADOW_TABLE if action is Action.CUTOVER else settings.legacy_table
+    verb = "now read" + ("s" if who is None or len(who) == 1 else "")
+    ids = ", ".join(f"#{e}" for e in events)
+    record = f"event{'s' if len(events) > 1 else ''} {ids} by {actor}"
+    now_reads = f"{VIEW} reads {_describe(step.target, settings)}"
+    if action is Action.ROLLBACK:
+        return f"{subject} {verb} {table} again; {now_reads}; {record}"
+    assert run is not None  # the gate refuses without a run
+    age = (at - run.finished_at).total_seconds() / 3600
+    approved = ", ".join(a.approved_by for a in run.approvals)
+    return (
+        f"{subject} {verb} {table}; {now_reads}; parity run #{run.id} passed "
+        f"{age:.1f} h ago, approved by {approved}; {record}"
+    )
 
 
-def _source(conn: sa.Connection) -> str:
-    """What the view reads, as schema.table ('a, b' if someone made it read several)."""
+def _tenant_list(tenants: Sequence[str] | frozenset[str]) -> str:
+    names_ = sorted(set(tenants))
+    label = "tenant" if len(names_) == 1 else "tenants"
+    return f"{label} {', '.join(_name(t) for t in names_)}"
+
+
+def _name(tenant: str | None) -> str:
+    return "(no tenant)" if tenant == "" else str(tenant)
+
+
+def _sources(conn: sa.Connection) -> list[str]:
+    """What the view reads, as schema.table (none: the view does not exist)."""
     rows = conn.execute(_queries()("cutover_view_sources"), {"view": VIEW}).all()
-    return ", ".join(f"{r.schema_name}.{r.table_name}" for r in rows) or "(nothing)"
+    return [f"{r.schema_name}.{r.table_name}" for r in rows]
 
 
 def _exists(conn: sa.Connection, name: str) -> bool:
@@ -196,42 +406,143 @@ def _exists(conn: sa.Connection, name: str) -> bool:
     return present
 
 
-def _latest(conn: sa.Connection) -> LatestRun | None:
-    row = conn.execute(_queries()("cutover_latest_run")).first()
+def _gate_run(conn: sa.Connection) -> GateRun | None:
+    row = conn.execute(_queries()("cutover_gate_run")).first()
     if row is None:
         return None
-    return LatestRun(
+    thresholds = (
+        None
+        if row.max_shadow_fault_rate is None
+        else Thresholds(
+            row.min_order_coverage, row.max_shadow_fault_rate, row.min_ticket_match_rate
+        )
+    )
+    return GateRun(
         id=row.id,
         finished_at=row.finished_at,
-        passed=row.passed,
-        order_coverage=row.order_coverage,
-        ticket_match_rate=row.ticket_match_rate,
+        thresholds=thresholds,
+        total=Tally.from_dict(row.total or {}),
+        tenants={t["tenant"]: Tally.from_dict(t) for t in row.tenants or ()},
+        approvals=approvals_of(conn, [row.id])[row.id],
     )
 
 
 def _record(
     conn: sa.Connection,
     *,
-    action: str,
+    action: Action,
     target: str,
     parity_run_id: int | None,
     actor: str,
     now: datetime | None,
     note: str,
+    tenant: str | None,
 ) -> int:
     row = conn.execute(
         _queries()("cutover_record"),
         {
-            "action": action,
+            "action": action.value,
             "target": target,
             "parity_run_id": parity_run_id,
             "actor": actor,
             "now": now,
             "note": note,
+            "tenant": tenant,
         },
     ).one()
     event_id: int = row.id
     return event_id
+
+
+# -- status ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TenantStatus:
+    """What one tenant's consumers read, and the step that put it there (None: never moved)."""
+
+    tenant: str
+    reads: str
+    since: datetime | None
+    actor: str | None
+    event_id: int | None
+    parity_run_id: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    """The view's mode, and per tenant what its consumers read."""
+
+    exists: bool
+    state: ViewState
+    description: str
+    tenants: tuple[TenantStatus, ...]
+    whole: TenantStatus | None
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON shape."""
+
+        def one(t: TenantStatus) -> dict[str, Any]:
+            return {
+                "tenant": t.tenant,
+                "reads": t.reads,
+                "since": None if t.since is None else t.since.isoformat(),
+                "actor": t.actor,
+                "event_id": t.event_id,
+                "parity_run_id": t.parity_run_id,
+            }
+
+        return {
+            "view": VIEW,
+            "exists": self.exists,
+            "mode": self.state.mode.value,
+            "reads": self.description,
+            "tenants": [one(t) for t in self.tenants],
+        }
+
+
+def status(conn: sa.Connection, settings: Settings) -> Status:
+    """Per tenant, what consumers read and since when, by whom (read-only)."""
+    q = _queries()
+    exists = _exists(conn, VIEW)
+    state = view_state(conn, settings) if exists else ViewState(Mode.LEGACY)
+    events = conn.execute(q("cutover_status_events")).all()
+    whole_event = next((e for e in events if e.tenant is None), None)
+    by_tenant = {e.tenant: e for e in events if e.tenant is not None}
+    run = _gate_run(conn)
+    known = set(by_tenant) | set(state.tenants) | (set(run.tenants) if run else set())
+    rows = []
+    for tenant in sorted(known):
+        event = by_tenant.get(tenant)
+        if whole_event is not None and (event is None or whole_event.id > event.id):
+            event = whole_event
+        rows.append(
+            TenantStatus(
+                tenant=tenant,
+                reads=SHADOW_TABLE if state.reads_shadow(tenant) else settings.legacy_table,
+                since=None if event is None else event.at,
+                actor=None if event is None else event.actor,
+                event_id=None if event is None else event.id,
+                parity_run_id=None if event is None else event.parity_run_id,
+            )
+        )
+    whole = (
+        None
+        if whole_event is None
+        else TenantStatus(
+            "",
+            whole_event.target,
+            whole_event.at,
+            whole_event.actor,
+            whole_event.id,
+            whole_event.parity_run_id,
+        )
+    )
+    description = _describe(state, settings) if exists else "nothing yet: the view does not exist"
+    return Status(exists, state, description, tuple(rows), whole)
+
+
+# -- the command line -----------------------------------------------------------------------
 
 
 def default_actor() -> str:
@@ -242,18 +553,39 @@ def default_actor() -> str:
         return "unknown"
 
 
-def run_cli(settings: Settings, url: str, *, rollback: bool, actor: str | None) -> int:
-    """`enrichq cutover [--rollback]`: 0 done (or nothing to do), 1 refused, 2 bad input."""
+def check_tenants(tenants: Sequence[str]) -> tuple[str, ...]:
+    """The --tenant values, each 0 to TENANT_MAX_LENGTH printable characters ('' = none)."""
+    for tenant in tenants:
+        if len(tenant) > TENANT_MAX_LENGTH or not tenant.isprintable():
+            raise ReviewInputError(
+                f"--tenant {tenant!r}: expected at most {TENANT_MAX_LENGTH} printable characters"
+            )
+    return tuple(dict.fromkeys(tenants))
+
+
+def run_cli(
+    settings: Settings,
+    url: str,
+    *,
+    rollback: bool,
+    actor: str | None,
+    tenants: Sequence[str] = (),
+    show_status: bool = False,
+    as_json: bool = False,
+) -> int:
+    """`enrichq cutover [--rollback] [--tenant T]... | --status`: 0 done (or nothing to do),
+    1 refused, 2 bad input."""
+    import json
+
     from enrichq_schema.db import create_engine
 
-    who = default_actor() if actor is None else actor.strip()
-    if not who or len(who) > ACTOR_MAX_LENGTH or not who.isprintable():
-        print(
-            f"enrichq: cutover: --actor must be 1 to {ACTOR_MAX_LENGTH} printable characters",
-            file=sys.stderr,
-        )
+    action = Action.ROLLBACK if rollback else Action.CUTOVER
+    try:
+        who = check_name(default_actor() if actor is None else actor, "--actor")
+        chosen = check_tenants(tenants) if tenants else None
+    except ReviewInputError as exc:
+        print(f"enrichq: cutover: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    action = "rollback" if rollback else "cutover"
     engine = create_engine(
         url,
         application_name="enrichq-cutover",
@@ -261,28 +593,59 @@ def run_cli(settings: Settings, url: str, *, rollback: bool, actor: str | None) 
         statement_timeout_seconds=settings.statement_timeout_seconds,
     )
     try:
+        if show_status:
+            with engine.connect() as conn:
+                report = status(conn, settings)
+            if as_json:
+                print(json.dumps(report.as_dict(), indent=2))
+            else:
+                _print_status(report)
+            return EXIT_OK
         with engine.begin() as conn:
-            result = (
-                _roll_back(conn, settings, actor=who)
-                if rollback
-                else cutover(conn, settings, actor=who)
-            )
+            result = repoint(conn, settings, action=action, tenants=chosen, actor=who)
     except CutoverRefused as exc:
-        print(f"enrichq: cutover refused: {exc}", file=sys.stderr)
+        print(f"enrichq: {action.value} refused: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     except CutoverError as exc:
-        print(f"enrichq: {action}: {exc}", file=sys.stderr)
+        print(f"enrichq: {action.value}: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except sa.exc.OperationalError as exc:
         if getattr(exc.orig, "sqlstate", None) != LOCK_NOT_AVAILABLE:
             raise
         print(
-            f"enrichq: {action}: {VIEW} is held by a long-running reader (waited "
+            f"enrichq: {action.value}: {VIEW} is held by a long-running reader (waited "
             f"{LOCK_TIMEOUT}); nothing changed, try again",
             file=sys.stderr,
         )
         return EXIT_REFUSED
     finally:
         engine.dispose()
-    print(f"{action}: {result.message}")
+    print(f"{action.value}: {result.message}")
     return EXIT_OK
+
+
+def _print_status(report: Status) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=140)  # a pipe or a file: no terminal to fit
+    console.print(f"{VIEW} reads {report.description}", highlight=False, markup=False)
+    if not report.tenants:
+        console.print("no tenant known yet (none in the latest parity run, none ever moved)")
+        return
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for name in ("tenant", "reads", "since (UTC)", "by", "event", "parity run"):
+        table.add_column(name)
+    for t in report.tenants:
+        table.add_row(
+            _name(t.tenant),
+            t.reads,
+            "—" if t.since is None else f"{t.since:%Y-%m-%d %H:%M:%S}",
+            t.actor or "—",
+            "—" if t.event_id is None else f"#{t.event_id}",
+            "—" if t.parity_run_id is None else f"#{t.parity_run_id}",
+            style="green" if t.reads == SHADOW_TABLE else None,
+        )
+    console.print(table)

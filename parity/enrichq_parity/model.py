@@ -1,4 +1,8 @@
-"""Parity's records (frozen) and the pure decisions over them: tallies, the verdict, samples."""
+"""Parity's records (frozen) and the pure decisions over them: tallies, faults, the verdict.
+
+Every figure that a report (JSON, HTML, CSV), the command line or the cutover gate shows is
+derived here, from the counts the day query returns, so they cannot disagree.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,9 @@ from enum import StrEnum
 from typing import Any
 
 SAMPLE_LIMIT = 50
-DRIFT_SAMPLE_LIMIT = 10
+"""Mismatched tickets kept per class (the most differing orders first); the CSV has all."""
+RULE_SAMPLE_LIMIT = 100
+"""Ticket ids kept per accept rule in the report; the CSV names the rules of every ticket."""
 
 
 class TicketClass(StrEnum):
@@ -20,23 +26,51 @@ class TicketClass(StrEnum):
     DRIFT_ONLY = "drift_only"
     PARTIAL = "partial"
     SHADOW_MISSING = "shadow_missing"
+    UNVERIFIED = "unverified"
     LEGACY_MISSING = "legacy_missing"
     EXTRA_ONLY = "extra_only"
 
 
+class Fault(StrEnum):
+    """Whose fault a difference is: what the verdict and the review hinge on."""
+
+    SHADOW = "shadow"
+    LEGACY = "legacy"
+    EXPLAINED = "explained"
+
+
+FAULT_OF: Mapping[TicketClass, Fault | None] = {
+    TicketClass.EXACT: None,
+    TicketClass.DRIFT_ONLY: Fault.EXPLAINED,
+    TicketClass.PARTIAL: Fault.SHADOW,
+    TicketClass.SHADOW_MISSING: Fault.SHADOW,
+    TicketClass.UNVERIFIED: Fault.SHADOW,
+    TicketClass.LEGACY_MISSING: Fault.LEGACY,
+    TicketClass.EXTRA_ONLY: Fault.LEGACY,
+}
+
+
+def classes_of(fault: Fault) -> tuple[TicketClass, ...]:
+    """The ticket classes of one fault group, in report order."""
+    return tuple(c for c in TicketClass if FAULT_OF[c] is fault)
+
+
+SHADOW_FAULTS = classes_of(Fault.SHADOW)
+LEGACY_FAULTS = classes_of(Fault.LEGACY)
 MATCHING = (TicketClass.EXACT, TicketClass.DRIFT_ONLY)
-MISMATCHED = (
-    TicketClass.PARTIAL,
-    TicketClass.SHADOW_MISSING,
-    TicketClass.LEGACY_MISSING,
-    TicketClass.EXTRA_ONLY,
-)
+MISMATCHED = SHADOW_FAULTS + LEGACY_FAULTS
+DIFFERING = tuple(c for c in TicketClass if c is not TicketClass.EXACT)
+"""Every class whose order sets differ (drift included): what the samples and the CSV hold."""
+ACCEPTABLE = LEGACY_FAULTS
+"""What an accept rule may cover: the legacy flow's faults. A shadow fault is fixed, not
+accepted, and drift is explained already."""
 
 CLASS_LABELS: Mapping[TicketClass, str] = {
     TicketClass.EXACT: "Exact match",
     TicketClass.DRIFT_ONLY: "Drift only",
     TicketClass.PARTIAL: "Partial",
     TicketClass.SHADOW_MISSING: "Shadow missing",
+    TicketClass.UNVERIFIED: "Unverified extras",
     TicketClass.LEGACY_MISSING: "Legacy missing",
     TicketClass.EXTRA_ONLY: "Extra orders only",
 }
@@ -44,12 +78,39 @@ CLASS_LABELS: Mapping[TicketClass, str] = {
 CLASS_MEANINGS: Mapping[TicketClass, str] = {
     TicketClass.EXACT: "Same order set on both sides (both empty included).",
     TicketClass.DRIFT_ONLY: (
-        "Same set except orders placed after the legacy lookup: explained by time, a match."
+        "Same set except orders placed after the legacy lookup (confirmed by the warehouse): "
+        "explained by time."
     ),
     TicketClass.PARTIAL: "Some legacy orders are not in the shadow output.",
     TicketClass.SHADOW_MISSING: "Legacy has orders; enrichq never enriched the ticket.",
-    TicketClass.LEGACY_MISSING: "Enrichq found orders; legacy wrote none.",
-    TicketClass.EXTRA_ONLY: "Every legacy order is there, plus orders legacy does not have.",
+    TicketClass.UNVERIFIED: (
+        "Enrichq has orders legacy lacks that the warehouse does not confirm: not the "
+        "customer's, or placed after enrichq's lookup."
+    ),
+    TicketClass.LEGACY_MISSING: (
+        "Enrichq found orders the warehouse confirms; legacy wrote none for the ticket."
+    ),
+    TicketClass.EXTRA_ONLY: (
+        "Every legacy order is there, plus orders legacy lacks that the warehouse confirms."
+    ),
+}
+
+FAULT_LABELS: Mapping[Fault, str] = {
+    Fault.SHADOW: "Shadow worse",
+    Fault.LEGACY: "Legacy worse",
+    Fault.EXPLAINED: "Explained",
+}
+
+FAULT_MEANINGS: Mapping[Fault, str] = {
+    Fault.SHADOW: (
+        "enrichq lost or invented orders. These are held to the pass bars; fix them, they "
+        "cannot be accepted."
+    ),
+    Fault.LEGACY: (
+        "The legacy flow lost work that enrichq found and the warehouse confirms. They never "
+        "fail a run, but each needs an accepted rule before cutover."
+    ),
+    Fault.EXPLAINED: "Orders placed after the legacy lookup. Nothing to do; shown to check.",
 }
 
 
@@ -65,15 +126,24 @@ EXCLUSION_LABELS: Mapping[Exclusion, str] = {
     Exclusion.OPEN_QUEUE_ROWS: "Open queue rows (queued or leased: still being processed)",
 }
 
+ORDER_FIELDS = ("legacy", "matched", "missing", "extra", "drift", "unverified")
+"""The order counts of one aggregate row of the day query, in this order."""
+
 
 @dataclass(frozen=True, slots=True)
 class Tally:
-    """Ticket counts per class and per exclusion reason, and order counts, over some tickets."""
+    """Ticket counts per class and per exclusion reason, and order counts, over some tickets.
+
+    Orders on the shadow side only are split three ways: drift and extra (both confirmed
+    by the warehouse) and unverified. ``accepted_*``: tickets of that legacy-fault class
+    that an accept rule covers.
+    """
 
     exact: int = 0
     drift_only: int = 0
     partial: int = 0
     shadow_missing: int = 0
+    unverified: int = 0
     legacy_missing: int = 0
     extra_only: int = 0
     too_young: int = 0
@@ -83,6 +153,9 @@ class Tally:
     missing_orders: int = 0
     extra_orders: int = 0
     drift_orders: int = 0
+    unverified_orders: int = 0
+    accepted_legacy_missing: int = 0
+    accepted_extra_only: int = 0
 
     def __add__(self, other: Tally) -> Tally:
         return Tally(
@@ -93,6 +166,17 @@ class Tally:
         """Tickets of one class or exclusion reason."""
         value: int = getattr(self, ticket_class.value)
         return value
+
+    def accepted(self, ticket_class: TicketClass) -> int:
+        """Tickets of one class that an accept rule covers (0 for a class no rule may cover)."""
+        if ticket_class not in ACCEPTABLE:
+            return 0
+        value: int = getattr(self, f"accepted_{ticket_class.value}")
+        return value
+
+    def in_group(self, fault: Fault) -> int:
+        """Tickets of one fault group."""
+        return sum(self.count(c) for c in classes_of(fault))
 
     @property
     def compared(self) -> int:
@@ -106,13 +190,33 @@ class Tally:
 
     @property
     def matching(self) -> int:
-        """Tickets that count as matches: exact plus drift only."""
+        """Tickets on which both flows agree: exact plus drift only."""
         return sum(self.count(c) for c in MATCHING)
 
     @property
     def mismatched(self) -> int:
-        """Tickets of a mismatch class."""
+        """Tickets whose difference is someone's fault (shadow or legacy)."""
         return sum(self.count(c) for c in MISMATCHED)
+
+    @property
+    def shadow_faults(self) -> int:
+        """Tickets on which enrichq is worse than legacy."""
+        return self.in_group(Fault.SHADOW)
+
+    @property
+    def legacy_faults(self) -> int:
+        """Tickets on which legacy is worse than enrichq."""
+        return self.in_group(Fault.LEGACY)
+
+    @property
+    def accepted_legacy_faults(self) -> int:
+        """Legacy-fault tickets an accept rule covers."""
+        return sum(self.accepted(c) for c in ACCEPTABLE)
+
+    @property
+    def unaccepted_legacy_faults(self) -> int:
+        """Legacy-fault tickets no accept rule covers: what keeps a passing run from cutover."""
+        return self.legacy_faults - self.accepted_legacy_faults
 
     @property
     def order_coverage(self) -> float | None:
@@ -120,8 +224,13 @@ class Tally:
         return self.matched_orders / self.legacy_orders if self.legacy_orders else None
 
     @property
+    def shadow_fault_rate(self) -> float | None:
+        """Shadow-fault tickets / compared; None when nothing was compared."""
+        return self.shadow_faults / self.compared if self.compared else None
+
+    @property
     def ticket_match_rate(self) -> float | None:
-        """(exact + drift only) / compared; None when nothing was compared."""
+        """(exact + drift only) / compared: how often both flows agree; None if none compared."""
         return self.matching / self.compared if self.compared else None
 
     def as_dict(self) -> dict[str, Any]:
@@ -130,30 +239,43 @@ class Tally:
             "compared": self.compared,
             "excluded": self.excluded,
             "order_coverage": self.order_coverage,
+            "shadow_fault_rate": self.shadow_fault_rate,
             "ticket_match_rate": self.ticket_match_rate,
-            "classes": {c.value: self.count(c) for c in TicketClass},
-            "exclusions": {e.value: self.count(e) for e in Exclusion},
-            "orders": {
-                "legacy": self.legacy_orders,
-                "matched": self.matched_orders,
-                "missing": self.missing_orders,
-                "extra": self.extra_orders,
-                "drift": self.drift_orders,
+            "faults": {
+                Fault.SHADOW.value: self.shadow_faults,
+                Fault.LEGACY.value: self.legacy_faults,
+                Fault.EXPLAINED.value: self.in_group(Fault.EXPLAINED),
             },
+            "classes": {c.value: self.count(c) for c in TicketClass},
+            "accepted": {c.value: self.accepted(c) for c in ACCEPTABLE},
+            "exclusions": {e.value: self.count(e) for e in Exclusion},
+            "orders": {name: getattr(self, f"{name}_orders") for name in ORDER_FIELDS},
         }
 
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> Tally:
+        """The tally of a stored JSON report (counts a report predates read as 0)."""
+        classes, accepted = doc.get("classes", {}), doc.get("accepted", {})
+        exclusions, orders = doc.get("exclusions", {}), doc.get("orders", {})
+        return cls(
+            **{c.value: int(classes.get(c.value, 0)) for c in TicketClass},
+            **{e.value: int(exclusions.get(e.value, 0)) for e in Exclusion},
+            **{f"{n}_orders": int(orders.get(n, 0)) for n in ORDER_FIELDS},
+            **{f"accepted_{c.value}": int(accepted.get(c.value, 0)) for c in ACCEPTABLE},
+        )
 
-def tally_of(kind: str, name: str, tickets: int, orders: Sequence[int] = ()) -> Tally:
+
+def tally_of(
+    kind: str, name: str, tickets: int, orders: Sequence[int] = (), accepted: int = 0
+) -> Tally:
     """The tally of one aggregate row of the day query ('class' or 'excluded')."""
     if kind == "class":
-        legacy, matched, missing, extra, drift = orders
+        ticket_class = TicketClass(name)
+        extra = {f"accepted_{name}": accepted} if ticket_class in ACCEPTABLE else {}
         return Tally(
-            **{TicketClass(name).value: tickets},
-            legacy_orders=legacy,
-            matched_orders=matched,
-            missing_orders=missing,
-            extra_orders=extra,
-            drift_orders=drift,
+            **{ticket_class.value: tickets},
+            **{f"{n}_orders": v for n, v in zip(ORDER_FIELDS, orders, strict=True)},
+            **extra,
         )
     if kind == "excluded":
         return Tally(**{Exclusion(name).value: tickets})
@@ -170,7 +292,7 @@ def total(tallies: Iterable[Tally]) -> Tally:
 
 @dataclass(frozen=True, slots=True)
 class Mismatch:
-    """One sampled ticket and how its order sets differ (ids sorted)."""
+    """One differing ticket and how its order sets differ (ids sorted)."""
 
     ticket_id: str
     tenant: str
@@ -183,6 +305,18 @@ class Mismatch:
     missing: tuple[str, ...]
     extra: tuple[str, ...]
     drift: tuple[str, ...]
+    unverified: tuple[str, ...] = ()
+    accepted_by: tuple[int, ...] = ()
+
+    @property
+    def fault(self) -> Fault | None:
+        """Whose fault the difference is."""
+        return FAULT_OF[self.ticket_class]
+
+    @property
+    def differing_orders(self) -> int:
+        """Orders on one side only: what the report ranks mismatches by."""
+        return len(self.missing) + len(self.extra) + len(self.drift) + len(self.unverified)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON shape."""
@@ -190,6 +324,7 @@ class Mismatch:
             "ticket_id": self.ticket_id,
             "tenant": self.tenant,
             "class": self.ticket_class.value,
+            "fault": None if self.fault is None else self.fault.value,
             "created_at": _iso(self.created_at),
             "enriched_at": _iso(self.enriched_at),
             "legacy_looked_up_at": _iso(self.legacy_looked_up_at),
@@ -198,6 +333,186 @@ class Mismatch:
             "missing": list(self.missing),
             "extra": list(self.extra),
             "drift": list(self.drift),
+            "unverified": list(self.unverified),
+            "accepted_by": list(self.accepted_by),
+        }
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> Mismatch:
+        """A mismatch of a stored JSON report."""
+        return cls(
+            ticket_id=doc["ticket_id"],
+            tenant=doc["tenant"],
+            ticket_class=TicketClass(doc["class"]),
+            created_at=_required(doc["created_at"]),
+            enriched_at=_parse(doc.get("enriched_at")),
+            legacy_looked_up_at=_parse(doc.get("legacy_looked_up_at")),
+            legacy_orders=int(doc["legacy_orders"]),
+            matched_orders=int(doc["matched_orders"]),
+            missing=tuple(doc.get("missing", ())),
+            extra=tuple(doc.get("extra", ())),
+            drift=tuple(doc.get("drift", ())),
+            unverified=tuple(doc.get("unverified", ())),
+            accepted_by=tuple(int(r) for r in doc.get("accepted_by", ())),
+        )
+
+
+def rank_key(m: Mismatch) -> tuple[int, str]:
+    """The report's order of mismatches: the most differing orders first, then by ticket id."""
+    return (-m.differing_orders, m.ticket_id)
+
+
+def keep_top(
+    kept: Sequence[Mismatch], more: Iterable[Mismatch], limit: int = SAMPLE_LIMIT
+) -> tuple[Mismatch, ...]:
+    """The `limit` first mismatches of both, in rank order (whatever order they came in)."""
+    return tuple(sorted([*kept, *more], key=rank_key)[:limit])
+
+
+def by_fault(
+    mismatches: Mapping[TicketClass, Sequence[Mismatch]], fault: Fault, limit: int = SAMPLE_LIMIT
+) -> tuple[Mismatch, ...]:
+    """The kept mismatches of one fault group, the most differing orders first."""
+    every = [m for c in classes_of(fault) for m in mismatches.get(c, ())]
+    return tuple(sorted(every, key=rank_key)[:limit])
+
+
+@dataclass(frozen=True, slots=True)
+class AcceptRule:
+    """One reviewed rule of an accept file: which legacy-fault tickets it covers, and why.
+
+    `number` is its position in the file (from 1) and `line` the line its table starts on.
+    A rule has a scope of ticket ids or of creation days (UTC, both ends included).
+    """
+
+    number: int
+    line: int
+    ticket_class: TicketClass
+    reason: str
+    author: str
+    tenant: str | None = None
+    tickets: tuple[str, ...] | None = None
+    first_day: date | None = None
+    last_day: date | None = None
+
+    def scope(self) -> str:
+        """The rule's scope in words, for a reader."""
+        parts = [] if self.tenant is None else [f"tenant {self.tenant or '(no tenant)'}"]
+        if self.tickets is not None:
+            shown = ", ".join(self.tickets[:5])
+            more = f" (+{len(self.tickets) - 5} more)" if len(self.tickets) > 5 else ""
+            parts.append(f"tickets {shown}{more}")
+        if self.first_day is not None and self.last_day is not None:
+            parts.append(
+                f"created {self.first_day.isoformat()}"
+                if self.first_day == self.last_day
+                else f"created {self.first_day.isoformat()} … {self.last_day.isoformat()}"
+            )
+        return ", ".join(parts)
+
+    def as_sql(self) -> dict[str, Any]:
+        """The shape the day query reads its rules in (jsonb_to_recordset)."""
+        return {
+            "rule": self.number,
+            "ticket_class": self.ticket_class.value,
+            "tenant": self.tenant,
+            "tickets": None if self.tickets is None else list(self.tickets),
+            "first_day": _iso_day(self.first_day),
+            "last_day": _iso_day(self.last_day),
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON shape."""
+        return {
+            "number": self.number,
+            "line": self.line,
+            "class": self.ticket_class.value,
+            "tenant": self.tenant,
+            "tickets": None if self.tickets is None else list(self.tickets),
+            "first_day": _iso_day(self.first_day),
+            "last_day": _iso_day(self.last_day),
+            "reason": self.reason,
+            "author": self.author,
+        }
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> AcceptRule:
+        """A rule of a stored JSON report."""
+        tickets = doc.get("tickets")
+        return cls(
+            number=int(doc["number"]),
+            line=int(doc["line"]),
+            ticket_class=TicketClass(doc["class"]),
+            reason=doc["reason"],
+            author=doc["author"],
+            tenant=doc.get("tenant"),
+            tickets=None if tickets is None else tuple(tickets),
+            first_day=_parse_day(doc.get("first_day")),
+            last_day=_parse_day(doc.get("last_day")),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class AcceptFile:
+    """A parsed accept file: where it was read from, its bytes' SHA-256, its rules."""
+
+    path: str
+    sha256: str
+    rules: tuple[AcceptRule, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RuleResult:
+    """What one rule matched in a run: how many tickets, and the first few by id."""
+
+    rule: AcceptRule
+    matched: int
+    tickets: tuple[str, ...]
+
+    @property
+    def unused(self) -> bool:
+        """The rule matched nothing: its scope is wrong, or the difference is gone."""
+        return self.matched == 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON shape: the rule, then what it matched."""
+        return {
+            **self.rule.as_dict(),
+            "matched": self.matched,
+            "tickets_matched": list(self.tickets),
+        }
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> RuleResult:
+        """A rule's result of a stored JSON report."""
+        return cls(
+            AcceptRule.from_dict(doc), int(doc["matched"]), tuple(doc.get("tickets_matched", ()))
+        )
+
+
+def merge_rule_tickets(
+    kept: Sequence[str], more: Iterable[str], limit: int = RULE_SAMPLE_LIMIT
+) -> tuple[str, ...]:
+    """The `limit` smallest ticket ids of both (the report lists a rule's first tickets)."""
+    return tuple(sorted({*kept, *more})[:limit])
+
+
+@dataclass(frozen=True, slots=True)
+class Approval:
+    """A reviewer's signature on a finished parity run."""
+
+    run_id: int
+    approved_by: str
+    approved_at: datetime
+    note: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON shape."""
+        return {
+            "run_id": self.run_id,
+            "approved_by": self.approved_by,
+            "approved_at": _iso(self.approved_at),
+            "note": self.note,
         }
 
 
@@ -221,15 +536,96 @@ class TenantResult:
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    """Whether the run passed, and one line saying why."""
+    """The decision over a tally, and one line saying why.
+
+    `passed`: enrichq's own faults are within the bars (legacy faults never fail a run).
+    `ready`: passed, and an accepted rule covers every legacy fault: what cutover needs.
+    `nothing_to_judge`: no ticket, or no legacy order, was compared (never passes).
+    """
 
     passed: bool
     reason: str
+    ready: bool = False
+    nothing_to_judge: bool = False
+
+    @property
+    def state(self) -> str:
+        """One word for badges and listings: pass, review (passed, not ready), fail, empty."""
+        if self.nothing_to_judge:
+            return "empty"
+        if not self.passed:
+            return "fail"
+        return "pass" if self.ready else "review"
+
+
+@dataclass(frozen=True, slots=True)
+class Thresholds:
+    """The bars a run was judged by (stored with the run, so it is re-judged the same)."""
+
+    min_order_coverage: float
+    max_shadow_fault_rate: float
+    min_ticket_match_rate: float
+    """Not a bar: below it the report marks how often both flows agree, for the reviewer."""
+
+
+def decide(tally: Tally, thresholds: Thresholds) -> Verdict:
+    """Judge a tally: shadow faults against the bars, then whether legacy faults are accepted.
+
+    Passes when order coverage ≥ its minimum and the shadow fault rate ≤ its maximum; an
+    empty window (nothing to judge) never passes. Legacy faults never fail a run; a passing
+    run is ready for cutover when an accepted rule covers each of them.
+    """
+    if tally.compared == 0:
+        why = f" ({tally.excluded} excluded: {_exclusions(tally)})" if tally.excluded else ""
+        return Verdict(
+            False, f"no tickets compared in the window{why}: nothing to judge", False, True
+        )
+    coverage, rate = tally.order_coverage, tally.shadow_fault_rate
+    if coverage is None or rate is None:
+        return Verdict(
+            False,
+            f"legacy has no orders for the {tally.compared} compared tickets: "
+            "order coverage is undefined",
+            False,
+            True,
+        )
+    short: list[str] = []
+    if coverage < thresholds.min_order_coverage:
+        short.append(
+            f"order coverage {pct(coverage)} is below {pct(thresholds.min_order_coverage)}"
+        )
+    if rate > thresholds.max_shadow_fault_rate:
+        short.append(
+            f"shadow fault rate {pct(rate)} is above {pct(thresholds.max_shadow_fault_rate)} "
+            f"({_faults(tally, SHADOW_FAULTS)})"
+        )
+    if short:
+        return Verdict(False, "; ".join(short))
+    bars = (
+        f"order coverage {pct(coverage)} ≥ {pct(thresholds.min_order_coverage)} and "
+        f"shadow fault rate {pct(rate)} ≤ {pct(thresholds.max_shadow_fault_rate)}"
+    )
+    unaccepted = tally.unaccepted_legacy_faults
+    if unaccepted:
+        return Verdict(
+            True,
+            f"{bars}; {plural(unaccepted, 'legacy-fault ticket')} not accepted yet "
+            f"({_faults(tally, LEGACY_FAULTS, unaccepted_only=True)}): cutover needs an "
+            "accepted rule for each",
+            ready=False,
+        )
+    if tally.legacy_faults:
+        return Verdict(
+            True,
+            f"{bars}; all {plural(tally.legacy_faults, 'legacy-fault ticket')} accepted",
+            ready=True,
+        )
+    return Verdict(True, f"{bars}; no legacy faults", ready=True)
 
 
 @dataclass(frozen=True, slots=True)
 class ParityReport:
-    """Everything one parity run found; what the JSON and HTML reports are made from."""
+    """Everything one parity run found; what the JSON, HTML and CSV reports are made from."""
 
     run_id: int | None
     since: datetime
@@ -239,41 +635,62 @@ class ParityReport:
     started_at: datetime
     finished_at: datetime | None
     duration_seconds: float
-    min_order_coverage: float
-    min_ticket_match_rate: float
+    thresholds: Thresholds
     total: Tally
     days: tuple[DayResult, ...]
     tenants: tuple[TenantResult, ...]
-    sample: tuple[Mismatch, ...]
-    drift_sample: tuple[Mismatch, ...]
-    verdict: Verdict
+    mismatches: Mapping[TicketClass, tuple[Mismatch, ...]]
+    rules: tuple[RuleResult, ...]
+    accept_file: AcceptFile | None
     sources: Mapping[str, str]
 
     @property
+    def verdict(self) -> Verdict:
+        """The run's verdict over every compared ticket."""
+        return decide(self.total, self.thresholds)
+
+    @property
     def passed(self) -> bool:
-        """Coverage and match rate both met their bars."""
+        """Shadow faults are within the bars."""
         return self.verdict.passed
+
+    def tenant_verdict(self, tenant: str) -> Verdict | None:
+        """One tenant's verdict by the run's bars (what a staged cutover is gated on)."""
+        for t in self.tenants:
+            if t.tenant == tenant:
+                return decide(t.tally, self.thresholds)
+        return None
+
+    def sample(self, fault: Fault, limit: int = SAMPLE_LIMIT) -> tuple[Mismatch, ...]:
+        """The kept mismatches of one fault group, the most differing orders first."""
+        return by_fault(self.mismatches, fault, limit)
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON report (also stored in enrichq.parity_runs.report)."""
+        verdict = self.verdict
         return {
             "run_id": self.run_id,
-            "passed": self.passed,
-            "verdict": self.verdict.reason,
+            "passed": verdict.passed,
+            "ready": verdict.ready,
+            "state": verdict.state,
+            "verdict": verdict.reason,
             "window": {
                 "since": _iso(self.since),
                 "until": _iso(self.until),
                 "now": _iso(self.now),
                 "young_after": _iso(self.young_after),
             },
-            "thresholds": {
-                "min_order_coverage": self.min_order_coverage,
-                "min_ticket_match_rate": self.min_ticket_match_rate,
-            },
+            "thresholds": dataclasses.asdict(self.thresholds),
             "started_at": _iso(self.started_at),
             "finished_at": _iso(self.finished_at),
             "duration_seconds": round(self.duration_seconds, 3),
             "sources": dict(self.sources),
+            "accept_file": (
+                None
+                if self.accept_file is None
+                else {"path": self.accept_file.path, "sha256": self.accept_file.sha256}
+            ),
+            "rules": [r.as_dict() for r in self.rules],
             "total": self.total.as_dict(),
             "days": [
                 {
@@ -284,57 +701,84 @@ class ParityReport:
                 }
                 for d in self.days
             ],
-            "tenants": [{"tenant": t.tenant, **t.tally.as_dict()} for t in self.tenants],
-            "sample": [m.as_dict() for m in self.sample],
-            "drift_sample": [m.as_dict() for m in self.drift_sample],
+            "tenants": [
+                {
+                    "tenant": t.tenant,
+                    **t.tally.as_dict(),
+                    "state": decide(t.tally, self.thresholds).state,
+                    "verdict": decide(t.tally, self.thresholds).reason,
+                }
+                for t in self.tenants
+            ],
+            "mismatches": {
+                c.value: [m.as_dict() for m in self.mismatches.get(c, ())] for c in DIFFERING
+            },
         }
 
-
-def decide(tally: Tally, min_order_coverage: float, min_ticket_match_rate: float) -> Verdict:
-    """Pass when both rates meet their bars; an empty window (nothing to judge) never passes."""
-    if tally.compared == 0:
-        why = f" ({tally.excluded} excluded: {_exclusions(tally)})" if tally.excluded else ""
-        return Verdict(False, f"no tickets compared in the window{why}: nothing to judge")
-    coverage = tally.order_coverage
-    rate = tally.ticket_match_rate
-    if coverage is None or rate is None:
-        return Verdict(
-            False,
-            f"legacy has no orders for the {tally.compared} compared tickets: "
-            "order coverage is undefined",
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> ParityReport:
+        """A stored JSON report, read back (its verdict is decided again, the same way)."""
+        window, bars = doc["window"], doc["thresholds"]
+        accept = doc.get("accept_file")
+        rules = tuple(RuleResult.from_dict(r) for r in doc.get("rules", ()))
+        return cls(
+            run_id=doc.get("run_id"),
+            since=_required(window["since"]),
+            until=_required(window["until"]),
+            now=_required(window["now"]),
+            young_after=_required(window["young_after"]),
+            started_at=_required(doc["started_at"]),
+            finished_at=_parse(doc.get("finished_at")),
+            duration_seconds=float(doc.get("duration_seconds", 0.0)),
+            thresholds=Thresholds(
+                min_order_coverage=float(bars["min_order_coverage"]),
+                max_shadow_fault_rate=float(bars["max_shadow_fault_rate"]),
+                min_ticket_match_rate=float(bars["min_ticket_match_rate"]),
+            ),
+            total=Tally.from_dict(doc["total"]),
+            days=tuple(
+                DayResult(
+                    date.fromisoformat(d["day"]),
+                    _required(d["since"]),
+                    _required(d["until"]),
+                    Tally.from_dict(d),
+                )
+                for d in doc.get("days", ())
+            ),
+            tenants=tuple(
+                TenantResult(t["tenant"], Tally.from_dict(t)) for t in doc.get("tenants", ())
+            ),
+            mismatches={
+                TicketClass(c): tuple(Mismatch.from_dict(m) for m in ms)
+                for c, ms in doc.get("mismatches", {}).items()
+            },
+            rules=rules,
+            accept_file=(
+                None
+                if accept is None
+                else AcceptFile(accept["path"], accept["sha256"], tuple(r.rule for r in rules))
+            ),
+            sources=dict(doc.get("sources", {})),
         )
-    short: list[str] = []
-    if coverage < min_order_coverage:
-        short.append(f"order coverage {pct(coverage)} is below {pct(min_order_coverage)}")
-    if rate < min_ticket_match_rate:
-        short.append(f"ticket match rate {pct(rate)} is below {pct(min_ticket_match_rate)}")
-    if short:
-        return Verdict(False, "; ".join(short))
-    return Verdict(
-        True,
-        f"order coverage {pct(coverage)} ≥ {pct(min_order_coverage)} and "
-        f"ticket match rate {pct(rate)} ≥ {pct(min_ticket_match_rate)}",
-    )
-
-
-def pick_sample(
-    by_class: Mapping[TicketClass, Sequence[Mismatch]], limit: int = SAMPLE_LIMIT
-) -> tuple[Mismatch, ...]:
-    """Up to `limit` mismatches, taken in turn from each class so every class is shown."""
-    queues = [list(by_class.get(c, ())) for c in MISMATCHED]
-    out: list[Mismatch] = []
-    position = 0
-    while len(out) < limit and any(position < len(q) for q in queues):
-        for q in queues:
-            if position < len(q) and len(out) < limit:
-                out.append(q[position])
-        position += 1
-    return tuple(out)
 
 
 def pct(value: float | None) -> str:
     """A rate as a percentage with two decimals, or 'n/a'."""
     return "n/a" if value is None else f"{value * 100:.2f}%"
+
+
+def plural(n: int, noun: str) -> str:
+    """'1 ticket', '2 tickets' (with thousands separators)."""
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
+
+
+def _faults(tally: Tally, classes: Sequence[TicketClass], *, unaccepted_only: bool = False) -> str:
+    parts = []
+    for c in classes:
+        n = tally.count(c) - (tally.accepted(c) if unaccepted_only else 0)
+        if n:
+            parts.append(f"{c.value.replace('_', ' ')} {n:,}")
+    return ", ".join(parts) or "none"
 
 
 def _exclusions(tally: Tally) -> str:
@@ -343,3 +787,19 @@ def _exclusions(tally: Tally) -> str:
 
 def _iso(value: datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
+
+
+def _iso_day(value: date | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def _parse(value: str | None) -> datetime | None:
+    return None if value is None else datetime.fromisoformat(value)
+
+
+def _required(value: str) -> datetime:
+    return datetime.fromisoformat(value)
+
+
+def _parse_day(value: str | None) -> date | None:
+    return None if value is None else date.fromisoformat(value)

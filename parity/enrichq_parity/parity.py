@@ -7,36 +7,45 @@ queue table for long, and the read side may be a replica (``ENRICHQ_PARITY_DATAB
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
 from enrichq_parity import names
 from enrichq_parity.model import (
-    DRIFT_SAMPLE_LIMIT,
+    DIFFERING,
+    RULE_SAMPLE_LIMIT,
     SAMPLE_LIMIT,
+    AcceptFile,
     DayResult,
     Exclusion,
+    Fault,
     Mismatch,
     ParityReport,
+    RuleResult,
     Tally,
     TenantResult,
+    Thresholds,
     TicketClass,
-    decide,
+    keep_top,
+    merge_rule_tickets,
     pct,
-    pick_sample,
+    plural,
     tally_of,
     total,
 )
@@ -61,11 +70,15 @@ log = logging.getLogger(__name__)
 
 DEFAULT_WINDOW = timedelta(days=7)
 SHADOW_TABLES = ("enrichq.ticket_orders", "enrichq.ticket_enrichments", "enrichq.queue")
-# Stands in for the warehouse orders table when the parity database does not hold it (a
-# BigQuery warehouse): drift then relies on the placed_at the shadow row carries.
+# Stand in for the warehouse tables when the parity database does not hold them (a BigQuery
+# warehouse): no shadow-only order can then be verified, so each one is unverified.
 NO_ORDERS = (
-    "(SELECT CAST(NULL AS text) AS order_id, CAST(NULL AS timestamptz) AS placed_at LIMIT 0)"
+    "(SELECT CAST(NULL AS text) AS order_id, CAST(NULL AS text) AS customer_id,"
+    " CAST(NULL AS timestamptz) AS placed_at LIMIT 0)"
 )
+NO_CUSTOMERS = "(SELECT CAST(NULL AS text) AS customer_id, CAST(NULL AS text) AS email LIMIT 0)"
+# The CSV export's rows stream from the server this many at a time (a server-side cursor).
+EXPORT_BATCH_ROWS = 2000
 
 ProgressCallback = Callable[[int, int], None]
 """Called after each day with (days done, days in the window)."""
@@ -92,10 +105,14 @@ def run_parity(
     until: datetime | None,
     now: datetime | None = None,
     progress: ProgressCallback | None = None,
+    accept: AcceptFile | None = None,
+    csv_path: Path | None = None,
 ) -> ParityReport:
     """Run parity over tickets created in [since, until); record and return the report.
 
     since defaults to until - 7 days, until to now; `now` (tests) replaces the database clock.
+    `accept`: the reviewed rules to apply. `csv_path`: where to export every differing
+    ticket (written whole at the end of a run that finished, never half).
     """
     clock = time.monotonic()
     for name, value in (("since", since), ("until", until), ("now", now)):
@@ -109,6 +126,7 @@ def run_parity(
     young_after = at - timedelta(
         seconds=settings.delay_created_seconds + settings.parity_grace_seconds
     )
+    thresholds = thresholds_of(settings)
     q = _queries()
     with write_engine.begin() as conn:
         log_id = runlog.start(conn, Component.PARITY, _owner(), now=now)
@@ -118,46 +136,73 @@ def run_parity(
                 "now": now,
                 "since": since,
                 "until": until,
-                "min_order_coverage": settings.parity_min_order_coverage,
-                "min_ticket_match_rate": settings.parity_min_ticket_match_rate,
+                "min_order_coverage": thresholds.min_order_coverage,
+                "min_ticket_match_rate": thresholds.min_ticket_match_rate,
+                "max_shadow_fault_rate": thresholds.max_shadow_fault_rate,
+                "accept_rules": len(accept.rules) if accept else 0,
+                "accept_sha256": accept.sha256 if accept else None,
             },
         ).one()
     try:
-        days, tenants, samples = _compare(
-            read_engine,
-            relations=relations,
-            since=since,
-            until=until,
-            young_after=young_after,
-            concurrency=settings.parity_concurrency,
-            progress=progress,
-        )
-        whole = total(d.tally for d in days)
-        report = ParityReport(
-            run_id=run.id,
-            since=since,
-            until=until,
-            now=at,
-            young_after=young_after,
-            started_at=run.started_at,
-            finished_at=None,
-            duration_seconds=time.monotonic() - clock,
-            min_order_coverage=settings.parity_min_order_coverage,
-            min_ticket_match_rate=settings.parity_min_ticket_match_rate,
-            total=whole,
-            days=tuple(days),
-            tenants=tuple(TenantResult(t, tenants[t]) for t in sorted(tenants)),
-            sample=pick_sample(samples),
-            drift_sample=tuple(samples.get(TicketClass.DRIFT_ONLY, ())[:DRIFT_SAMPLE_LIMIT]),
-            verdict=decide(
-                whole, settings.parity_min_order_coverage, settings.parity_min_ticket_match_rate
-            ),
-            sources=_sources(settings, relations),
-        )
-        return _finish(write_engine, report, log_id, now=now, clock=clock)
+        with _Export(csv_path) as export:
+            compared = _compare(
+                read_engine,
+                relations=relations,
+                since=since,
+                until=until,
+                young_after=young_after,
+                concurrency=settings.parity_concurrency,
+                progress=progress,
+                accept=accept,
+                export=export,
+            )
+            report = ParityReport(
+                run_id=run.id,
+                since=since,
+                until=until,
+                now=at,
+                young_after=young_after,
+                started_at=run.started_at,
+                finished_at=None,
+                duration_seconds=time.monotonic() - clock,
+                thresholds=thresholds,
+                total=total(d.tally for d in compared.days),
+                days=tuple(compared.days),
+                tenants=tuple(
+                    TenantResult(t, compared.tenants[t]) for t in sorted(compared.tenants)
+                ),
+                mismatches={c: compared.mismatches[c] for c in DIFFERING},
+                rules=_rule_results(accept, compared),
+                accept_file=accept,
+                sources=_sources(settings, relations),
+            )
+            return _finish(write_engine, report, log_id, now=now, clock=clock)
     except BaseException as exc:
         _abandon(write_engine, run.id, log_id, exc)
         raise
+
+
+def thresholds_of(settings: Settings) -> Thresholds:
+    """The bars of a run from the settings."""
+    return Thresholds(
+        min_order_coverage=settings.parity_min_order_coverage,
+        max_shadow_fault_rate=settings.parity_max_shadow_fault_rate,
+        min_ticket_match_rate=settings.parity_min_ticket_match_rate,
+    )
+
+
+def _rule_results(accept: AcceptFile | None, compared: _Compared) -> tuple[RuleResult, ...]:
+    """Every rule of the file, in file order, with what it matched (nothing: 0 tickets)."""
+    if accept is None:
+        return ()
+    return tuple(
+        RuleResult(
+            rule,
+            compared.rule_matches.get(rule.number, 0),
+            compared.rule_tickets.get(rule.number, ()),
+        )
+        for rule in accept.rules
+    )
 
 
 def _prepare(
@@ -180,14 +225,18 @@ def _prepare(
 
 def _sources(settings: Settings, relations: Mapping[str, str]) -> dict[str, str]:
     """What was compared with what, for the report's reader."""
+    verifiable = relations["orders"] != NO_ORDERS and relations["customers"] != NO_CUSTOMERS
     return {
         "tickets": settings.tickets_table,
         "legacy": settings.legacy_table,
         "shadow": "enrichq.ticket_orders",
-        "drift_placed_at": (
-            f"shadow rows, else {settings.orders_table}"
-            if relations["orders"] != NO_ORDERS
-            else "shadow rows only (warehouse orders table not in the parity database)"
+        "verified_against": (
+            f"{settings.orders_table} and {settings.customers_table}"
+            if verifiable
+            else (
+                f"nothing: {settings.orders_table} or {settings.customers_table} is not in the "
+                "parity database, so no shadow-only order can be verified"
+            )
         ),
     }
 
@@ -216,6 +265,10 @@ def _finish(
                 "exact_matches": whole.exact,
                 "order_coverage": whole.order_coverage,
                 "ticket_match_rate": whole.ticket_match_rate,
+                "shadow_faults": whole.shadow_faults,
+                "shadow_fault_rate": whole.shadow_fault_rate,
+                "legacy_faults": whole.legacy_faults,
+                "accepted_legacy_faults": whole.accepted_legacy_faults,
                 "passed": report.passed,
                 "report": json.dumps(report.as_dict()),
             },
@@ -237,6 +290,27 @@ def _finish(
     return report
 
 
+@dataclass
+class _Compared:
+    """What the day queries found, added up in day order."""
+
+    days: list[DayResult] = field(default_factory=list)
+    tenants: dict[str, Tally] = field(default_factory=dict)
+    mismatches: dict[TicketClass, tuple[Mismatch, ...]] = field(
+        default_factory=lambda: dict.fromkeys(DIFFERING, ())
+    )
+    rule_matches: dict[int, int] = field(default_factory=dict)
+    rule_tickets: dict[int, tuple[str, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class _Day:
+    """One day's aggregate rows (few), and its part of the CSV export (a temporary file)."""
+
+    rows: list[Any]
+    part: Path | None
+
+
 def _compare(
     read_engine: sa.Engine,
     *,
@@ -246,69 +320,153 @@ def _compare(
     young_after: datetime,
     concurrency: int,
     progress: ProgressCallback | None,
-) -> tuple[list[DayResult], dict[str, Tally], dict[TicketClass, list[Mismatch]]]:
-    """Run the day query over each day; aggregate per day, per tenant, and the samples.
+    accept: AcceptFile | None,
+    export: _Export,
+) -> _Compared:
+    """Run the day query over each day; aggregate per day, per tenant, samples and rules.
 
     Up to `concurrency` days are compared at once, each in its own short transaction on its
     own connection; their rows are added up in day order, so the report does not depend on
-    which day finished first.
+    which day finished first. With an export, each day streams its differing tickets into a
+    file of its own, and the parts are joined in day order.
     """
     q = _queries()
     statement = names.render(q["parity_day"], **relations)
     windows = list(day_windows(since, until))
+    rules = json.dumps([r.as_sql() for r in accept.rules] if accept else [])
 
-    def read_day(window: tuple[date, datetime, datetime]) -> Sequence[Any]:
-        _, start, end = window
+    def read_day(window: tuple[date, datetime, datetime]) -> _Day:
+        day, start, end = window
+        params = {
+            "day_start": start,
+            "day_end": end,
+            "young_after": young_after,
+            "sample_size": SAMPLE_LIMIT,
+            "rules": rules,
+            "rule_sample": RULE_SAMPLE_LIMIT,
+            "export": export.enabled,
+        }
         # One short read-only transaction per day: the snapshot lives for one statement.
         with read_engine.begin() as conn:
             conn.execute(q("parity_read_only"))
             conn.execute(q("parity_day_settings"))
-            return conn.execute(
-                statement,
-                {
-                    "day_start": start,
-                    "day_end": end,
-                    "young_after": young_after,
-                    "sample_size": SAMPLE_LIMIT,
-                },
-            ).all()
+            if not export.enabled:
+                return _Day(list(conn.execute(statement, params)), None)
+            # Stream the rows: a day's differing tickets go to its part of the export as they
+            # arrive, so memory holds a batch of them, never the day.
+            streamed = conn.execution_options(stream_results=True, yield_per=EXPORT_BATCH_ROWS)
+            kept: list[Any] = []
+            with export.part(day) as (path, writer):
+                for row in streamed.execute(statement, params):
+                    if row.row_kind == "ticket":
+                        writer(_mismatch(row))
+                    else:
+                        kept.append(row)
+            return _Day(kept, path)
 
-    days: list[DayResult] = []
-    tenants: dict[str, Tally] = {}
-    samples: dict[TicketClass, list[Mismatch]] = {}
+    out = _Compared()
     pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="parity-day")
     try:
-        for index, ((day, start, end), rows) in enumerate(
+        for index, ((day, start, end), result) in enumerate(
             zip(windows, pool.map(read_day, windows), strict=True)
         ):
-            day_tally = Tally()
-            for row in rows:
-                if row.row_kind == "sample":
-                    kept = samples.setdefault(TicketClass(row.ticket_class), [])
-                    if len(kept) < SAMPLE_LIMIT:
-                        kept.append(_mismatch(row))
-                    continue
-                tally = tally_of(
-                    row.row_kind,
-                    row.ticket_class,
-                    row.tickets,
-                    (
-                        row.legacy_orders,
-                        row.matched_orders,
-                        row.missing_orders,
-                        row.extra_orders,
-                        row.drift_orders,
-                    ),
-                )
-                day_tally += tally
-                tenants[row.tenant] = tenants.get(row.tenant, Tally()) + tally
-            days.append(DayResult(day, start, end, day_tally))
+            out.days.append(DayResult(day, start, end, _add_day(out, result.rows)))
+            if result.part is not None:
+                export.append(result.part)
             if progress is not None:
                 progress(index + 1, len(windows))
     finally:
         # a failed day (or Ctrl-C) ends the run: the days not started yet are not compared
         pool.shutdown(wait=True, cancel_futures=True)
-    return days, tenants, samples
+    return out
+
+
+def _add_day(out: _Compared, rows: list[Any]) -> Tally:
+    """Add one day's aggregate rows to the run's; the day's tally."""
+    day_tally = Tally()
+    samples: dict[TicketClass, list[Mismatch]] = {}
+    for row in rows:
+        if row.row_kind == "sample":
+            samples.setdefault(TicketClass(row.ticket_class), []).append(_mismatch(row))
+            continue
+        if row.row_kind == "rule":
+            out.rule_matches[row.rule] = out.rule_matches.get(row.rule, 0) + row.tickets
+            out.rule_tickets[row.rule] = merge_rule_tickets(
+                out.rule_tickets.get(row.rule, ()), row.matched_ids or ()
+            )
+            continue
+        tally = tally_of(
+            row.row_kind,
+            row.ticket_class,
+            row.tickets,
+            (
+                row.legacy_orders,
+                row.matched_orders,
+                row.missing_orders,
+                row.extra_orders,
+                row.drift_orders,
+                row.unverified_orders,
+            ),
+            row.accepted,
+        )
+        day_tally += tally
+        out.tenants[row.tenant] = out.tenants.get(row.tenant, Tally()) + tally
+    for ticket_class, kept in samples.items():
+        out.mismatches[ticket_class] = keep_top(out.mismatches[ticket_class], kept)
+    return day_tally
+
+
+class _Export:
+    """The CSV export of a run: day parts streamed to temporary files, joined in day order.
+
+    The file appears at its path (renamed over it) only when the run finished; a failed run
+    leaves nothing behind.
+    """
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.enabled = path is not None
+        self._dir: Path | None = None
+        self._out: IO[str] | None = None
+        self._tmp: Path | None = None
+
+    def __enter__(self) -> _Export:
+        if self.path is not None:
+            from enrichq_parity import export
+
+            parent = self.path.parent if str(self.path.parent) else Path()
+            self._dir = Path(tempfile.mkdtemp(prefix=".enrichq-parity-", dir=parent))
+            self._tmp = self._dir / "export.csv"
+            self._out = self._tmp.open("w", encoding="utf-8", newline="")
+            export.write_header(self._out)
+        return self
+
+    @contextlib.contextmanager
+    def part(self, day: date) -> Iterator[tuple[Path, Callable[[Mismatch], None]]]:
+        """A day's part: (its path, a function that writes one mismatch to it)."""
+        from enrichq_parity import export
+
+        assert self._dir is not None
+        path = self._dir / f"{day.isoformat()}.csv"
+        with path.open("w", encoding="utf-8", newline="") as handle:
+            yield path, export.writer(handle)
+
+    def append(self, part: Path) -> None:
+        """Append a day's part to the export and drop it."""
+        assert self._out is not None
+        with part.open(encoding="utf-8", newline="") as handle:
+            shutil.copyfileobj(handle, self._out)
+        part.unlink()
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if self._out is None or self._tmp is None or self._dir is None or self.path is None:
+            return
+        self._out.close()
+        try:
+            if exc_type is None:
+                os.replace(self._tmp, self.path)
+        finally:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def day_windows(since: datetime, until: datetime) -> Iterator[tuple[date, datetime, datetime]]:
@@ -335,6 +493,8 @@ def _mismatch(row: Any) -> Mismatch:
         missing=tuple(row.missing_ids or ()),
         extra=tuple(row.extra_ids or ()),
         drift=tuple(row.drift_ids or ()),
+        unverified=tuple(row.unverified_ids or ()),
+        accepted_by=tuple(row.accepted_by or ()),
     )
 
 
@@ -350,6 +510,7 @@ def _check_relations(conn: sa.Connection, settings: Settings) -> dict[str, str]:
         "tickets": names.qualified(conn.dialect, settings.tickets_table),
         "legacy": names.qualified(conn.dialect, settings.legacy_table),
         "orders": names.qualified(conn.dialect, settings.orders_table),
+        "customers": names.qualified(conn.dialect, settings.customers_table),
     }
     if not _exists(conn, quoted["legacy"]):
         raise ParityInputError(
@@ -376,6 +537,8 @@ def _check_relations(conn: sa.Connection, settings: Settings) -> dict[str, str]:
             )
     if not _exists(conn, quoted["orders"]):
         quoted["orders"] = NO_ORDERS
+    if not _exists(conn, quoted["customers"]):
+        quoted["customers"] = NO_CUSTOMERS
     return quoted
 
 
@@ -458,22 +621,44 @@ def run_cli(
     until: datetime | None,
     json_path: Path | None,
     html_path: Path | None,
+    csv_path: Path | None = None,
+    accept_path: Path | None = None,
 ) -> int:
-    """`enrichq parity`: 0 pass, 1 below the thresholds (or nothing to judge), 2 bad input."""
+    """`enrichq parity`: 0 pass, 1 below the bars (or nothing to judge), 2 bad input.
+
+    Every input (report paths, the accept file) is checked before anything is recorded.
+    """
     from rich.console import Console
 
+    from enrichq_parity import accept as accepting
     from enrichq_parity import report as render
 
     console = Console()
-    for option, path in (("--json", json_path), ("--html", html_path)):
-        problem = _unwritable(path)
+    for option, path in (("--json", json_path), ("--html", html_path), ("--csv", csv_path)):
+        problem = unwritable(path)
         if problem:
             print(f"enrichq: parity: {option} {path}: {problem}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+    accept: AcceptFile | None = None
+    if accept_path is not None:
+        try:
+            accept = accepting.load(accept_path)
+        except accepting.AcceptFileError as exc:
+            print(f"enrichq: parity: --accept {exc}", file=sys.stderr)
             return EXIT_BAD_INPUT
     read, write = _engines(settings, url)
     try:
         with _ProgressBar(console) as progress:
-            result = run_parity(read, write, settings, since=since, until=until, progress=progress)
+            result = run_parity(
+                read,
+                write,
+                settings,
+                since=since,
+                until=until,
+                progress=progress,
+                accept=accept,
+                csv_path=csv_path,
+            )
     except ParityInputError as exc:
         print(f"enrichq: parity: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -484,11 +669,14 @@ def run_cli(
         json_path.write_text(render.to_json(result), encoding="utf-8")
     if html_path is not None:
         html_path.write_text(render.to_html(result), encoding="utf-8")
-    _print_summary(console, result, json_path, html_path)
+    print_summary(console, result)
+    for label, path in (("json", json_path), ("html", html_path), ("csv", csv_path)):
+        if path is not None:
+            console.print(f"{label}: {path}", highlight=False, markup=False)
     return EXIT_PASSED if result.passed else EXIT_BELOW
 
 
-def _unwritable(path: Path | None) -> str | None:
+def unwritable(path: Path | None) -> str | None:
     """Why a report cannot be written to `path`, checked before any work; None if it can."""
     if path is None:
         return None
@@ -536,15 +724,23 @@ class _ProgressBar:
         self._bar.update(self._task, completed=done, total=days)
 
 
-def _print_summary(
-    console: Any, report: ParityReport, json_path: Path | None, html_path: Path | None
-) -> None:
+_STATE_MARKUP = {
+    "pass": "[bold green]PASS[/]",
+    "review": "[bold green]PASS[/] [yellow](legacy faults to accept)[/]",
+    "fail": "[bold red]FAIL[/]",
+    "empty": "[bold red]FAIL[/] [dim](nothing to judge)[/]",
+}
+
+
+def print_summary(console: Any, report: ParityReport) -> None:
+    """The run's figures on the terminal: verdict, bars, fault groups, classes, rules."""
     from rich.table import Table
 
-    t = report.total
-    status = "[bold green]PASS[/]" if report.passed else "[bold red]FAIL[/]"
+    from enrichq_parity.model import CLASS_LABELS, FAULT_LABELS, classes_of
+
+    t, bars, verdict = report.total, report.thresholds, report.verdict
     console.print(
-        f"{status}  parity run #{report.run_id}  "
+        f"{_STATE_MARKUP[verdict.state]}  parity run #{report.run_id}  "
         f"{report.since:%Y-%m-%d %H:%M} → {report.until:%Y-%m-%d %H:%M} UTC",
         highlight=False,
     )
@@ -552,28 +748,40 @@ def _print_summary(
     table.add_column(style="bold")
     table.add_column(justify="right")
     table.add_column(style="dim")
-    table.add_row("order coverage", pct(t.order_coverage), f"min {pct(report.min_order_coverage)}")
+    table.add_row("order coverage", pct(t.order_coverage), f"min {pct(bars.min_order_coverage)}")
     table.add_row(
-        "ticket match rate",
-        pct(t.ticket_match_rate),
-        f"min {pct(report.min_ticket_match_rate)}",
+        "shadow fault rate", pct(t.shadow_fault_rate), f"max {pct(bars.max_shadow_fault_rate)}"
     )
-    table.add_row("tickets compared", f"{t.compared:,}", "")
+    table.add_row("ticket match rate", pct(t.ticket_match_rate), "both flows agree (not a bar)")
+    table.add_row("tickets compared", f"{t.compared:,}", f"exact matches {t.exact:,}")
     table.add_row(
         "tickets excluded",
         f"{t.excluded:,}",
         ", ".join(f"{e.value.replace('_', ' ')} {t.count(e):,}" for e in Exclusion),
     )
-    for c in TicketClass:
-        table.add_row(f"  {c.value.replace('_', ' ')}", f"{t.count(c):,}", "")
+    for fault in Fault:
+        note = ""
+        if fault is Fault.LEGACY:
+            note = (
+                f"accepted {t.accepted_legacy_faults:,}, "
+                f"not accepted {t.unaccepted_legacy_faults:,}"
+            )
+        table.add_row(FAULT_LABELS[fault].lower(), f"{t.in_group(fault):,}", note)
+        for c in classes_of(fault):
+            table.add_row(f"  {CLASS_LABELS[c].lower()}", f"{t.count(c):,}", "")
     table.add_row(
         "orders",
         f"{t.legacy_orders:,}",
         f"legacy; matched {t.matched_orders:,}, missing {t.missing_orders:,}, "
-        f"extra {t.extra_orders:,}, drift {t.drift_orders:,}",
+        f"extra {t.extra_orders:,}, drift {t.drift_orders:,}, "
+        f"unverified {t.unverified_orders:,}",
     )
     console.print(table)
-    console.print(report.verdict.reason, highlight=False, markup=False)
-    for label, path in (("json", json_path), ("html", html_path)):
-        if path is not None:
-            console.print(f"{label}: {path}", highlight=False, markup=False)
+    for r in report.rules:
+        flag = "[yellow]matched nothing[/]" if r.unused else plural(r.matched, "ticket")
+        console.print(
+            f"  rule {r.rule.number} (line {r.rule.line}) {r.rule.ticket_class.value}, "
+            f"{r.rule.scope()}: {flag}  [dim]by {r.rule.author}[/]",
+            highlight=False,
+        )
+    console.print(verdict.reason, highlight=False, markup=False)

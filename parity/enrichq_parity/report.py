@@ -1,168 +1,453 @@
-"""The parity report as JSON and as one self-contained HTML page (inline CSS and SVG, offline)."""
+"""The parity report as JSON and as one self-contained HTML page (CSS and SVG inline).
+
+The page is a Jinja2 template (``templates/report.html.j2``) with autoescaping on, styled by
+``templates/report.css``, which is inlined so that the single file works offline and when
+mailed. Every figure on it comes from `enrichq_parity.model`; this module only lays them
+out (the chart's geometry, the cards, the tables' rows).
+"""
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import datetime
-from html import escape
+from functools import cache
+from importlib import resources
+from typing import Any
 
 from enrichq_parity.model import (
+    ACCEPTABLE,
     CLASS_LABELS,
     CLASS_MEANINGS,
     EXCLUSION_LABELS,
-    MATCHING,
+    FAULT_LABELS,
+    FAULT_MEANINGS,
+    Approval,
     DayResult,
     Exclusion,
+    Fault,
     Mismatch,
     ParityReport,
     Tally,
     TicketClass,
+    classes_of,
+    decide,
     pct,
+    plural,
 )
 
-MAX_CHIPS = 24  # order ids shown per diff cell; the JSON report has them all
+MAX_CHIPS = 24
+"""Order ids shown per diff cell; the JSON and CSV reports have them all."""
+MAX_RULE_CHIPS = 30
+"""Ticket ids shown per accept rule."""
+
+STATE_BADGES = {"pass": "PASS", "review": "PASS", "fail": "FAIL", "empty": "NOTHING TO JUDGE"}
+STATE_WORDS = {"pass": "pass", "review": "to accept", "fail": "fail", "empty": "no data"}
+"""A tenant's or a day's state in the breakdown tables."""
 
 
-def to_json(report: ParityReport) -> str:
-    """The JSON report (the same document as enrichq.parity_runs.report)."""
-    return json.dumps(report.as_dict(), indent=2, ensure_ascii=False) + "\n"
+def to_json(report: ParityReport, approvals: Sequence[Approval] = ()) -> str:
+    """The JSON report: the document stored in enrichq.parity_runs.report, plus approvals."""
+    document = {**report.as_dict(), "approvals": [a.as_dict() for a in approvals]}
+    return json.dumps(document, indent=2, ensure_ascii=False) + "\n"
 
 
-def to_html(report: ParityReport) -> str:
-    """The HTML report a reviewer reads before cutover; every datum is escaped."""
+def to_html(report: ParityReport, approvals: Sequence[Approval] = ()) -> str:
+    """The HTML report a reviewer reads before cutover; the template escapes every datum."""
+    from markupsafe import Markup
+
     t = report.total
-    title = f"enrichq parity run #{report.run_id}" if report.run_id else "enrichq parity"
-    state = "pass" if report.passed else ("empty" if t.compared == 0 else "fail")
-    badge = {"pass": "PASS", "fail": "FAIL", "empty": "NOTHING TO JUDGE"}[state]
-    parts = [
-        "<!doctype html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        '<meta name="viewport" content="width=device-width, initial-scale=1">',
-        f"<title>{escape(title)}</title>",
-        f"<style>{_CSS}</style></head><body><main>",
-        '<header class="top">',
-        f"<div><h1>{escape(title)}</h1>",
-        f'<p class="muted">Tickets created {_when(report.since)} → {_when(report.until)} '
-        f"(UTC, end exclusive) · finished {_when(report.finished_at)} · "
-        f"{report.duration_seconds:.1f} s</p></div>",
-        f'<div class="badge {state}">{badge}</div>',
-        "</header>",
-        f'<p class="verdict {state}">{escape(report.verdict.reason)}</p>',
-        _cards(report),
-        "<section><h2>Coverage per day</h2>",
-        _chart(report),
-        "</section>",
-        "<section><h2>Tickets by class</h2>",
-        _class_table(t),
-        "</section>",
-        "<section><h2>Orders</h2>",
-        _orders_table(t),
-        "</section>",
-        "<section><h2>Excluded tickets</h2>",
-        _excluded_table(report),
-        "</section>",
-        "<section><h2>Per day</h2>",
-        _breakdown(
-            "Day", [(d.day.isoformat(), d.tally) for d in report.days], report, empty="no days"
-        ),
-        "</section>",
-        "<section><h2>Per tenant</h2>",
-        _breakdown(
-            "Tenant",
-            [(tr.tenant or "(no tenant)", tr.tally) for tr in report.tenants],
-            report,
-            empty="no tickets in the window",
-        ),
-        "</section>",
-        f"<section><h2>Mismatch sample <small>{len(report.sample)} of "
-        f"{t.mismatched:,} mismatched tickets</small></h2>",
-        _legend(),
-        _sample_table(report.sample, empty="No mismatched tickets."),
-        "</section>",
-        f"<section><h2>Drift sample <small>{len(report.drift_sample)} of "
-        f"{t.drift_only:,} drift-only tickets (counted as matches)</small></h2>",
-        _sample_table(report.drift_sample, empty="No drift."),
-        "</section>",
-        _footer(report),
-        "</main></body></html>",
+    verdict = report.verdict
+    page: str = _template().render(
+        title=f"enrichq parity run #{report.run_id}" if report.run_id else "enrichq parity",
+        report=report,
+        t=t,
+        verdict=verdict,
+        badge=STATE_BADGES[verdict.state],
+        state_words=STATE_WORDS,
+        approvals=list(approvals),
+        checklist=_checklist(report, approvals),
+        cards=_cards(report),
+        chart=_chart(report),
+        groups=_groups(t),
+        rules=_rules(report),
+        samples=[
+            _Sample(fault, FAULT_LABELS[fault], report.sample(fault), t.in_group(fault))
+            for fault in Fault
+        ],
+        orders=_orders(t),
+        exclusions=[(EXCLUSION_LABELS[e], t.count(e)) for e in Exclusion],
+        tenants=[
+            _breakdown_row(tr.tenant or "(no tenant)", tr.tally, report) for tr in report.tenants
+        ],
+        days=[_breakdown_row(d.day.isoformat(), d.tally, report) for d in report.days],
+        footer=_footer(report),
+        css=Markup(_css()),  # noqa: S704 -- our own stylesheet, shipped in the package
+        fmt=_Format(),
+        chips=chips,
+    )
+    return page
+
+
+@cache
+def _template() -> Any:
+    from jinja2 import Environment, PackageLoader, StrictUndefined
+
+    env = Environment(
+        loader=PackageLoader("enrichq_parity", "templates"),
+        autoescape=True,
+        undefined=StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+    return env.get_template("report.html.j2")
+
+
+@cache
+def _css() -> str:
+    return resources.files("enrichq_parity").joinpath("templates/report.css").read_text("utf-8")
+
+
+class _Format:
+    """Formatting helpers the template calls (plain text out; the template escapes it)."""
+
+    @staticmethod
+    def num(value: int) -> str:
+        return f"{value:,}"
+
+    @staticmethod
+    def pct(value: float | None) -> str:
+        return pct(value)
+
+    @staticmethod
+    def when(value: datetime | None) -> str:
+        return "—" if value is None else f"{value:%Y-%m-%d %H:%M}"
+
+    @staticmethod
+    def class_label(value: TicketClass) -> str:
+        return CLASS_LABELS[value]
+
+    @staticmethod
+    def plural(n: int, noun: str) -> str:
+        return plural(n, noun)
+
+
+@dataclass(frozen=True, slots=True)
+class _Card:
+    label: str
+    value: str
+    sub: str
+    tone: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Check:
+    tone: str  # ok, bad (enrichq's own faults) or todo (a step of the review left)
+    label: str
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class _GroupRow:
+    ticket_class: TicketClass
+    label: str
+    tickets: int
+    share: str
+    accepted: int | None
+    meaning: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Group:
+    fault: Fault
+    label: str
+    meaning: str
+    tickets: int
+    rows: tuple[_GroupRow, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _RuleRow:
+    number: int
+    line: int
+    ticket_class: str
+    scope: str
+    reason: str
+    author: str
+    matched: int
+    tickets: tuple[str, ...]
+    more: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Sample:
+    fault: Fault
+    label: str
+    mismatches: tuple[Mismatch, ...]
+    of: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Chips:
+    missing: tuple[str, ...]
+    extra: tuple[str, ...]
+    drift: tuple[str, ...]
+    unverified: tuple[str, ...]
+    more: int
+
+
+@dataclass(frozen=True, slots=True)
+class _BreakdownRow:
+    name: str
+    tally: Tally
+    state: str
+    coverage_tone: str
+    fault_tone: str
+
+
+def _checklist(report: ParityReport, approvals: Sequence[Approval]) -> list[_Check]:
+    """What cutover needs of this run, item by item (freshness is judged at cutover time)."""
+    t, verdict = report.total, report.verdict
+    if t.legacy_faults == 0:
+        accepted_detail = "no legacy faults to accept"
+    elif t.unaccepted_legacy_faults == 0:
+        accepted_detail = f"all {plural(t.legacy_faults, 'legacy-fault ticket')} accepted"
+    else:
+        accepted_detail = (
+            f"{plural(t.unaccepted_legacy_faults, 'legacy-fault ticket')} without an accepted "
+            "rule: add rules to the accept file and run parity again"
+        )
+    approved_detail = (
+        ", ".join(f"{a.approved_by} ({a.approved_at:%Y-%m-%d %H:%M})" for a in approvals)
+        if approvals
+        else f"not yet: enrichq parity approve {report.run_id} --by NAME"
+    )
+    shadow_detail = verdict.reason.split("; ")[0] if verdict.passed else verdict.reason
+    legacy_ok = verdict.passed and t.unaccepted_legacy_faults == 0
+    return [
+        _Check("ok" if verdict.passed else "bad", "Shadow faults within the bars", shadow_detail),
+        _Check("ok" if legacy_ok else "todo", "Legacy faults accepted", accepted_detail),
+        _Check("ok" if approvals else "todo", "Approved by a reviewer", approved_detail),
     ]
-    return "\n".join(parts) + "\n"
 
 
-def _when(value: datetime | None) -> str:
-    return "—" if value is None else escape(f"{value:%Y-%m-%d %H:%M}")
-
-
-def _num(value: int) -> str:
-    return f"{value:,}"
-
-
-def _rate_class(value: float | None, bar: float) -> str:
+def _tone(value: float | None, ok: Callable[[float], bool]) -> str:
     if value is None:
         return "na"
-    return "good" if value >= bar else "bad"
+    return "good" if ok(value) else "bad"
 
 
-def _cards(report: ParityReport) -> str:
-    t = report.total
-    cov, rate = t.order_coverage, t.ticket_match_rate
-    cards = [
-        (
+def _cards(report: ParityReport) -> list[_Card]:
+    t, bars = report.total, report.thresholds
+    legacy_tone = "plain" if t.legacy_faults == 0 else (
+        "good" if t.unaccepted_legacy_faults == 0 else "warn"
+    )  # fmt: skip
+    return [
+        _Card(
             "Order coverage",
-            pct(cov),
-            f"min {pct(report.min_order_coverage)} · "
-            f"{_num(t.matched_orders)} of {_num(t.legacy_orders)} legacy orders",
-            _rate_class(cov, report.min_order_coverage),
+            pct(t.order_coverage),
+            f"bar ≥ {pct(bars.min_order_coverage)} · {t.matched_orders:,} of "
+            f"{t.legacy_orders:,} legacy orders",
+            _tone(t.order_coverage, lambda v: v >= bars.min_order_coverage),
         ),
-        (
+        _Card(
+            "Shadow fault rate",
+            pct(t.shadow_fault_rate),
+            f"bar ≤ {pct(bars.max_shadow_fault_rate)} · {plural(t.shadow_faults, 'ticket')} "
+            "enrichq got wrong",
+            _tone(t.shadow_fault_rate, lambda v: v <= bars.max_shadow_fault_rate),
+        ),
+        _Card(
+            "Legacy faults",
+            f"{t.legacy_faults:,}",
+            f"{t.accepted_legacy_faults:,} accepted · {t.unaccepted_legacy_faults:,} to accept",
+            legacy_tone,
+        ),
+        _Card(
             "Ticket match rate",
-            pct(rate),
-            f"min {pct(report.min_ticket_match_rate)} · "
-            f"{_num(t.matching)} of {_num(t.compared)} tickets",
-            _rate_class(rate, report.min_ticket_match_rate),
+            pct(t.ticket_match_rate),
+            f"both flows agree · not a bar (flagged under {pct(bars.min_ticket_match_rate)})",
+            "plain"
+            if t.ticket_match_rate is None or t.ticket_match_rate >= bars.min_ticket_match_rate
+            else "warn",
         ),
-        ("Tickets compared", _num(t.compared), f"{_num(t.mismatched)} mismatched", "plain"),
-        (
-            "Excluded",
-            _num(t.excluded),
-            " · ".join(f"{e.value.replace('_', ' ')} {_num(t.count(e))}" for e in Exclusion),
-            "plain",
-        ),
-        (
-            "Drift only",
-            _num(t.drift_only),
-            f"{_num(t.drift_orders)} orders placed after the legacy lookup",
+        _Card(
+            "Tickets compared",
+            f"{t.compared:,}",
+            f"{t.excluded:,} excluded · {t.drift_only:,} drift only",
             "plain",
         ),
     ]
-    out = ['<div class="cards">']
-    for label, value, sub, tone in cards:
-        out.append(
-            f'<div class="card {tone}"><div class="label">{escape(label)}</div>'
-            f'<div class="value">{escape(value)}</div><div class="sub">{escape(sub)}</div></div>'
+
+
+def _groups(t: Tally) -> list[_Group]:
+    out = []
+    for fault in Fault:
+        rows = tuple(
+            _GroupRow(
+                c,
+                CLASS_LABELS[c],
+                t.count(c),
+                pct(t.count(c) / t.compared if t.compared else None),
+                t.accepted(c) if c in ACCEPTABLE else None,
+                CLASS_MEANINGS[c],
+            )
+            for c in classes_of(fault)
         )
-    out.append("</div>")
-    return "".join(out)
+        out.append(
+            _Group(fault, FAULT_LABELS[fault], FAULT_MEANINGS[fault], t.in_group(fault), rows)
+        )
+    return out
 
 
-def _chart(report: ParityReport) -> str:
-    """Inline SVG: coverage and match rate per day as lines, tickets compared as bars."""
+def _rules(report: ParityReport) -> list[_RuleRow]:
+    return [
+        _RuleRow(
+            number=r.rule.number,
+            line=r.rule.line,
+            ticket_class=CLASS_LABELS[r.rule.ticket_class],
+            scope=r.rule.scope(),
+            reason=r.rule.reason,
+            author=r.rule.author,
+            matched=r.matched,
+            tickets=r.tickets[:MAX_RULE_CHIPS],
+            more=r.matched - min(len(r.tickets), MAX_RULE_CHIPS),
+        )
+        for r in report.rules
+    ]
+
+
+def chips(m: Mismatch) -> _Chips:
+    """The order ids of a mismatch's diff cell, at most MAX_CHIPS of them."""
+    left = MAX_CHIPS
+    shown: list[tuple[str, ...]] = []
+    for ids in (m.missing, m.unverified, m.extra, m.drift):
+        shown.append(ids[:left])
+        left -= len(shown[-1])
+    return _Chips(shown[0], shown[2], shown[3], shown[1], m.differing_orders - MAX_CHIPS + left)
+
+
+def _orders(t: Tally) -> list[tuple[str, int, str]]:
+    return [
+        ("Legacy orders", t.legacy_orders, "the denominator of order coverage"),
+        ("Matched (in both)", t.matched_orders, "the numerator of order coverage"),
+        ("Missing from shadow", t.missing_orders, "legacy has them, enrichq does not"),
+        (
+            "Unverified in shadow",
+            t.unverified_orders,
+            "enrichq only; the warehouse does not confirm",
+        ),
+        ("Extra in shadow", t.extra_orders, "enrichq only, confirmed; legacy should have had them"),
+        ("Drift", t.drift_orders, "enrichq only, confirmed, placed after the legacy lookup"),
+    ]
+
+
+def _breakdown_row(name: str, tally: Tally, report: ParityReport) -> _BreakdownRow:
+    bars = report.thresholds
+    return _BreakdownRow(
+        name=name,
+        tally=tally,
+        state=decide(tally, bars).state,
+        coverage_tone=_tone(tally.order_coverage, lambda v: v >= bars.min_order_coverage),
+        fault_tone=_tone(tally.shadow_fault_rate, lambda v: v <= bars.max_shadow_fault_rate),
+    )
+
+
+def _footer(report: ParityReport) -> list[tuple[str, str]]:
+    accept = report.accept_file
+    return [
+        ("Legacy table", report.sources.get("legacy", "")),
+        ("Shadow table", report.sources.get("shadow", "")),
+        ("Tickets table", report.sources.get("tickets", "")),
+        ("Shadow-only orders verified against", report.sources.get("verified_against", "")),
+        ("Accept file", "none" if accept is None else f"{accept.path} (sha256 {accept.sha256})"),
+        ("Measured at", _plain(report.now)),
+        ("Too young after", _plain(report.young_after)),
+        ("Run id", str(report.run_id)),
+    ]
+
+
+def _plain(value: datetime | None) -> str:
+    return "—" if value is None else f"{value:%Y-%m-%d %H:%M:%S %Z}"
+
+
+# -- the chart -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Text:
+    x: float
+    y: float
+    text: str
+    anchor: str = "middle"
+
+
+@dataclass(frozen=True, slots=True)
+class _Line:
+    y: float
+    css: str
+    title: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Bar:
+    x: float
+    y: float
+    width: float
+    height: float
+    title: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Dot:
+    x: float
+    y: float
+    title: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Series:
+    css: str
+    polylines: tuple[str, ...]
+    dots: tuple[_Dot, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Chart:
+    width: int
+    height: int
+    left: int
+    right: int
+    baseline: float
+    grid: tuple[_Line, ...]
+    ticks: tuple[_Text, ...]
+    bars: tuple[_Bar, ...]
+    labels: tuple[_Text, ...]
+    nodata: tuple[_Text, ...]
+    thresholds: tuple[_Line, ...]
+    series: tuple[_Series, ...]
+
+
+def _fault_free(d: DayResult) -> float | None:
+    """The share of a day's compared tickets without a shadow fault (1 - the fault rate)."""
+    rate = d.tally.shadow_fault_rate
+    return None if rate is None else 1.0 - rate
+
+
+def _chart(report: ParityReport) -> _Chart | None:
+    """Coverage and fault-free tickets per day as lines against their bars, tickets as bars."""
     days = report.days
     if not any(d.tally.compared for d in days):
-        return '<p class="muted">No day of the window had a ticket to compare.</p>'
+        return None
+    bars = report.thresholds
     width, height = 960, 300
     left, right, top, bottom = 56, 16, 16, 44
     plot_w, plot_h = width - left - right, height - top - bottom
-    values = [
-        v
-        for d in days
-        for v in (d.tally.order_coverage, d.tally.ticket_match_rate)
-        if v is not None
-    ]
-    floor = min([*values, report.min_order_coverage, report.min_ticket_match_rate])
-    low, step = _axis(floor)
+    values = [v for d in days for v in (d.tally.order_coverage, _fault_free(d)) if v is not None]
+    low, step = _axis(min([*values, bars.min_order_coverage, 1.0 - bars.max_shadow_fault_rate]))
     span = 1.0 - low
     slot = plot_w / len(days)
     most = max((d.tally.compared for d in days), default=0) or 1
@@ -173,103 +458,71 @@ def _chart(report: ParityReport) -> str:
     def y(v: float) -> float:
         return top + plot_h * (1.0 - (v - low) / span)
 
-    svg = [
-        f'<svg class="chart" viewBox="0 0 {width} {height}" role="img" '
-        f'aria-label="Order coverage and ticket match rate per day">'
-    ]
-    ticks = round(span / step)
-    for k in range(ticks + 1):
+    grid, ticks = [], []
+    for k in range(round(span / step) + 1):
         v = low + k * step
-        svg.append(
-            f'<line class="grid" x1="{left}" x2="{width - right}" y1="{y(v):.1f}" '
-            f'y2="{y(v):.1f}"/><text class="axis" x="{left - 6}" y="{y(v) + 4:.1f}" '
-            f'text-anchor="end">{v * 100:.{_decimals(step)}f}%</text>'
-        )
-    for i, d in enumerate(days):
-        h = plot_h * 0.35 * d.tally.compared / most
-        svg.append(
-            f'<rect class="bar" x="{x(i) - slot * 0.3:.1f}" y="{top + plot_h - h:.1f}" '
-            f'width="{slot * 0.6:.1f}" height="{h:.1f}"><title>{escape(d.day.isoformat())}: '
-            f"{_num(d.tally.compared)} tickets compared, {_num(d.tally.excluded)} excluded"
-            "</title></rect>"
-        )
+        grid.append(_Line(y(v), "grid", ""))
+        ticks.append(_Text(left - 6, y(v) + 4, f"{v * 100:.{_decimals(step)}f}%", "end"))
+    bar_items, labels, nodata = [], [], []
     label_every = max(1, math.ceil(len(days) / 14))
     for i, d in enumerate(days):
+        h = plot_h * 0.35 * d.tally.compared / most
+        bar_items.append(
+            _Bar(
+                x(i) - slot * 0.3,
+                top + plot_h - h,
+                slot * 0.6,
+                h,
+                f"{d.day.isoformat()}: {d.tally.compared:,} tickets compared, "
+                f"{d.tally.shadow_faults:,} shadow faults, {d.tally.legacy_faults:,} legacy "
+                f"faults, {d.tally.excluded:,} excluded",
+            )
+        )
         if i % label_every == 0 or i == len(days) - 1:
-            svg.append(
-                f'<text class="axis" x="{x(i):.1f}" y="{height - bottom + 18}" '
-                f'text-anchor="middle">{escape(d.day.strftime("%m-%d"))}</text>'
-            )
+            labels.append(_Text(x(i), height - bottom + 18, d.day.strftime("%m-%d")))
         if d.tally.compared == 0:
-            svg.append(
-                f'<text class="nodata" x="{x(i):.1f}" y="{top + plot_h - 6}" '
-                f'text-anchor="middle">no data</text>'
-            )
-    for bar, css, name in (
-        (report.min_order_coverage, "cov", "coverage bar"),
-        (report.min_ticket_match_rate, "rate", "match-rate bar"),
-    ):
-        svg.append(
-            f'<line class="threshold {css}" x1="{left}" x2="{width - right}" '
-            f'y1="{y(bar):.1f}" y2="{y(bar):.1f}"><title>{escape(name)} {pct(bar)}</title></line>'
-        )
-    svg.extend(
-        _series(
-            days, get=lambda d: d.tally.order_coverage, x=x, y=y, css="cov", name="order coverage"
-        )
+            nodata.append(_Text(x(i), top + plot_h - 6, "no data"))
+    thresholds = (
+        _Line(y(bars.min_order_coverage), "cov", f"coverage bar {pct(bars.min_order_coverage)}"),
+        _Line(
+            y(1.0 - bars.max_shadow_fault_rate),
+            "faults",
+            f"shadow fault bar {pct(bars.max_shadow_fault_rate)}",
+        ),
     )
-    svg.extend(
-        _series(
-            days,
-            get=lambda d: d.tally.ticket_match_rate,
-            x=x,
-            y=y,
-            css="rate",
-            name="ticket match rate",
-        )
+    series = (
+        _series(days, lambda d: d.tally.order_coverage, x=x, y=y, css="cov", name="order coverage"),
+        _series(days, _fault_free, x=x, y=y, css="faults", name="tickets without a shadow fault"),
     )
-    svg.append(
-        f'<line class="axisline" x1="{left}" x2="{width - right}" y1="{top + plot_h}" '
-        f'y2="{top + plot_h}"/>'
-    )
-    svg.append("</svg>")
-    legend = (
-        '<div class="chart-legend"><span class="key cov"></span>order coverage'
-        '<span class="key rate"></span>ticket match rate'
-        '<span class="key dash"></span>pass bars'
-        '<span class="key barkey"></span>tickets compared (relative)</div>'
-    )
-    return "".join(svg) + legend
+    return _Chart(
+        width, height, left, right, top + plot_h, tuple(grid), tuple(ticks), tuple(bar_items),
+        tuple(labels), tuple(nodata), thresholds, series,
+    )  # fmt: skip
 
 
 def _series(
     days: Sequence[DayResult],
-    *,
     get: Callable[[DayResult], float | None],
+    *,
     x: Callable[[int], float],
     y: Callable[[float], float],
     css: str,
     name: str,
-) -> Iterable[str]:
+) -> _Series:
     """A polyline per run of days with data, and a dot per day with a tooltip."""
     runs: list[list[tuple[float, float]]] = [[]]
-    dots: list[str] = []
+    dots: list[_Dot] = []
     for i, d in enumerate(days):
         v = get(d)
         if v is None:
             runs.append([])
             continue
-        px, py = x(i), y(v)
-        runs[-1].append((px, py))
-        dots.append(
-            f'<circle class="dot {css}" cx="{px:.1f}" cy="{py:.1f}" r="3.5">'
-            f"<title>{escape(d.day.isoformat())}: {escape(name)} {pct(v)}</title></circle>"
-        )
-    for points in runs:
-        if len(points) > 1:
-            coords = " ".join(f"{px:.1f},{py:.1f}" for px, py in points)
-            yield f'<polyline class="line {css}" points="{coords}"/>'
-    yield from dots
+        runs[-1].append((x(i), y(v)))
+        dots.append(_Dot(x(i), y(v), f"{d.day.isoformat()}: {name} {pct(v)}"))
+    lines = tuple(
+        " ".join(f"{px:.1f},{py:.1f}" for px, py in points) for points in runs if len(points) > 1
+    )
+    return _Series(css, lines, tuple(dots))
 
 
 def _axis(floor: float) -> tuple[float, float]:
@@ -284,225 +537,3 @@ def _axis(floor: float) -> tuple[float, float]:
 
 def _decimals(step: float) -> int:
     return max(0, -math.floor(math.log10(step * 100) + 1e-9)) if step < 0.01 else 0
-
-
-def _class_table(t: Tally) -> str:
-    rows = []
-    for c in TicketClass:
-        n = t.count(c)
-        share = n / t.compared if t.compared else None
-        kind = "match" if c in MATCHING else "mismatch"
-        rows.append(
-            f'<tr><td><span class="pill {c.value}">{escape(CLASS_LABELS[c])}</span></td>'
-            f'<td class="num">{_num(n)}</td><td class="num">{pct(share)}</td>'
-            f'<td class="muted">{kind}</td><td>{escape(CLASS_MEANINGS[c])}</td></tr>'
-        )
-    rows.append(
-        f'<tr class="total"><td>Compared</td><td class="num">{_num(t.compared)}</td>'
-        f'<td class="num">{pct(1.0 if t.compared else None)}</td><td></td><td></td></tr>'
-    )
-    return (
-        "<table><thead><tr><th>Class</th><th>Tickets</th><th>Share</th><th>Counts as</th>"
-        "<th>Meaning</th></tr></thead><tbody>" + "".join(rows) + "</tbody></table>"
-    )
-
-
-def _orders_table(t: Tally) -> str:
-    rows = [
-        ("Legacy orders", t.legacy_orders, "the denominator of order coverage"),
-        ("Matched (in both)", t.matched_orders, "the numerator of order coverage"),
-        ("Missing from shadow", t.missing_orders, "legacy has them, enrichq does not"),
-        ("Extra in shadow", t.extra_orders, "enrichq has them, legacy does not"),
-        ("Drift", t.drift_orders, "enrichq-only orders placed after the legacy lookup"),
-    ]
-    body = "".join(
-        f'<tr><td>{escape(a)}</td><td class="num">{_num(n)}</td>'
-        f'<td class="muted">{escape(b)}</td></tr>'
-        for a, n, b in rows
-    )
-    return f"<table><tbody>{body}</tbody></table>"
-
-
-def _excluded_table(report: ParityReport) -> str:
-    t = report.total
-    body = "".join(
-        f'<tr><td>{escape(EXCLUSION_LABELS[e])}</td><td class="num">{_num(t.count(e))}</td></tr>'
-        for e in Exclusion
-    )
-    note = (
-        f'<p class="muted">Tickets created after {_when(report.young_after)} UTC are too young: '
-        "the shadow worker may not have processed them yet. Tickets with a queued or leased row "
-        "are still being processed.</p>"
-    )
-    return f"<table><tbody>{body}</tbody></table>{note}"
-
-
-def _breakdown(
-    label: str, rows: Sequence[tuple[str, Tally]], report: ParityReport, *, empty: str
-) -> str:
-    if not rows:
-        return f'<p class="muted">{escape(empty)}.</p>'
-    head = "".join(f"<th>{escape(CLASS_LABELS[c])}</th>" for c in TicketClass)
-    out = [
-        "<div class='scroll'><table><thead><tr>"
-        f"<th>{escape(label)}</th><th>Compared</th><th>Excluded</th>{head}"
-        "<th>Coverage</th><th>Match rate</th></tr></thead><tbody>"
-    ]
-    for name, t in rows:
-        cells = "".join(
-            f'<td class="num{" zero" if t.count(c) == 0 else ""}">{_num(t.count(c))}</td>'
-            for c in TicketClass
-        )
-        cov, rate = t.order_coverage, t.ticket_match_rate
-        out.append(
-            f"<tr><td>{escape(name)}</td><td class='num'>{_num(t.compared)}</td>"
-            f"<td class='num'>{_num(t.excluded)}</td>{cells}"
-            f'<td class="num {_rate_class(cov, report.min_order_coverage)}">{pct(cov)}</td>'
-            f'<td class="num {_rate_class(rate, report.min_ticket_match_rate)}">{pct(rate)}</td>'
-            "</tr>"
-        )
-    out.append("</tbody></table></div>")
-    return "".join(out)
-
-
-def _legend() -> str:
-    return (
-        '<p class="legend"><span class="chip missing">&minus; missing</span> legacy has it, '
-        'enrichq does not · <span class="chip extra">+ extra</span> enrichq has it, legacy '
-        'does not · <span class="chip drift">~ drift</span> placed after the legacy lookup</p>'
-    )
-
-
-def _chips(ids: Sequence[str], css: str, sign: str) -> str:
-    shown = "".join(f'<span class="chip {css}">{sign} {escape(i)}</span>' for i in ids[:MAX_CHIPS])
-    more = f'<span class="more">+{len(ids) - MAX_CHIPS} more</span>' if len(ids) > MAX_CHIPS else ""
-    return shown + more
-
-
-def _sample_table(sample: Sequence[Mismatch], *, empty: str) -> str:
-    if not sample:
-        return f'<p class="muted">{escape(empty)}</p>'
-    out = [
-        "<div class='scroll'><table class='sample'><thead><tr>"
-        "<th>Ticket</th><th>Tenant</th><th>Class</th>"
-        "<th>Created</th><th>Legacy looked up</th><th>Enrichq enriched</th>"
-        "<th>Matched / legacy</th><th>Diff</th></tr></thead><tbody>"
-    ]
-    for m in sample:
-        diff = (
-            _chips(m.missing, "missing", "&minus;")
-            + _chips(m.extra, "extra", "+")
-            + _chips(m.drift, "drift", "~")
-        )
-        out.append(
-            f'<tr><td class="mono">{escape(m.ticket_id)}</td>'
-            f"<td>{escape(m.tenant or '(no tenant)')}</td>"
-            f'<td><span class="pill {m.ticket_class.value}">'
-            f"{escape(CLASS_LABELS[m.ticket_class])}</span></td>"
-            f'<td class="when">{_when(m.created_at)}</td>'
-            f'<td class="when">{_when(m.legacy_looked_up_at)}</td>'
-            f'<td class="when">{_when(m.enriched_at)}</td>'
-            f'<td class="num">{_num(m.matched_orders)} / {_num(m.legacy_orders)}</td>'
-            f'<td class="diff">{diff or "<span class=muted>—</span>"}</td></tr>'
-        )
-    out.append("</tbody></table></div>")
-    return "".join(out)
-
-
-def _footer(report: ParityReport) -> str:
-    items = [
-        ("Legacy table", report.sources.get("legacy", "")),
-        ("Shadow table", report.sources.get("shadow", "")),
-        ("Tickets table", report.sources.get("tickets", "")),
-        ("Drift uses placed_at from", report.sources.get("drift_placed_at", "")),
-        ("Measured at", _plain(report.now)),
-        ("Too young after", _plain(report.young_after)),
-        ("Run id", str(report.run_id)),
-    ]
-    rows = "".join(f"<dt>{escape(a)}</dt><dd>{escape(b)}</dd>" for a, b in items)
-    return (
-        f'<footer><h2>How this was computed</h2><dl>{rows}</dl><p class="muted">Each ticket '
-        "created in the window is compared by its set of order ids. Order coverage is "
-        "|shadow ∩ legacy| / |legacy| over all compared tickets; the ticket match rate is "
-        "(exact + drift only) / compared. The run passes when both meet their bars; a window "
-        "with nothing to compare never passes.</p></footer>"
-    )
-
-
-def _plain(value: datetime | None) -> str:
-    return "—" if value is None else f"{value:%Y-%m-%d %H:%M:%S %Z}"
-
-
-_CSS = """
-:root{--fg:#1f2328;--muted:#656d76;--line:#d0d7de;--bg:#f6f8fa;--good:#1a7f37;
---bad:#cf222e;--warn:#9a6700;--cov:#0969da;--rate:#8250df;--na:#8c959f}
-*{box-sizing:border-box}
-body{margin:0;background:var(--bg);color:var(--fg);
-font:14px/1.5 -apple-system,BlinkMacSystemFont,"Segoe UI",Helvetica,Arial,sans-serif}
-main{max-width:1180px;margin:0 auto;padding:28px 24px 48px}
-h1{font-size:24px;margin:0 0 2px}h2{font-size:17px;margin:0 0 12px}
-h2 small{font-weight:400;color:var(--muted);font-size:13px;margin-left:8px}
-section,footer{background:#fff;border:1px solid var(--line);border-radius:10px;
-padding:18px 20px;margin:16px 0}
-.top{display:flex;justify-content:space-between;align-items:center;gap:16px}
-.muted{color:var(--muted)}
-.badge{font-weight:700;letter-spacing:.04em;padding:8px 18px;border-radius:999px;
-color:#fff;font-size:15px;white-space:nowrap}
-.badge.pass{background:var(--good)}.badge.fail{background:var(--bad)}
-.badge.empty{background:var(--na)}
-.verdict{margin:14px 0 0;padding:10px 14px;border-radius:8px;border-left:4px solid}
-.verdict.pass{background:#dafbe1;border-color:var(--good)}
-.verdict.fail{background:#ffebe9;border-color:var(--bad)}
-.verdict.empty{background:#eaeef2;border-color:var(--na)}
-.cards{display:grid;grid-template-columns:repeat(auto-fit,minmax(200px,1fr));gap:12px;
-margin:16px 0}
-.card{background:#fff;border:1px solid var(--line);border-radius:10px;padding:14px 16px;
-border-top:4px solid var(--line)}
-.card.good{border-top-color:var(--good)}.card.bad{border-top-color:var(--bad)}
-.card.na{border-top-color:var(--na)}
-.card .label{color:var(--muted);font-size:12px;text-transform:uppercase;letter-spacing:.05em}
-.card .value{font-size:28px;font-weight:600;font-variant-numeric:tabular-nums}
-.card.good .value{color:var(--good)}.card.bad .value{color:var(--bad)}
-.card .sub{color:var(--muted);font-size:12px}
-table{border-collapse:collapse;width:100%;font-variant-numeric:tabular-nums}
-th,td{padding:6px 10px;border-bottom:1px solid var(--line);text-align:left;vertical-align:top}
-th{font-size:12px;color:var(--muted);font-weight:600;background:var(--bg)}
-tbody tr:nth-child(even){background:#fbfcfd}
-td.num{text-align:right;white-space:nowrap}td.zero{color:#afb8c1}
-td.good{color:var(--good);font-weight:600}td.bad{color:var(--bad);font-weight:600}
-td.na{color:var(--na)}tr.total td{font-weight:600;border-top:2px solid var(--line)}
-.mono{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:13px;
-white-space:nowrap}td.when{white-space:nowrap}.scroll{overflow-x:auto}
-.pill{display:inline-block;padding:1px 9px;border-radius:999px;font-size:12px;
-font-weight:600;white-space:nowrap}
-.pill.exact{background:#dafbe1;color:#116329}.pill.drift_only{background:#ddf4ff;color:#0550ae}
-.pill.partial{background:#ffebe9;color:#a40e26}
-.pill.shadow_missing{background:#ffd8d3;color:#82071e}
-.pill.legacy_missing{background:#fff8c5;color:#7d4e00}
-.pill.extra_only{background:#fbefff;color:#6e40c9}
-.chip{display:inline-block;margin:1px 4px 1px 0;padding:0 6px;border-radius:4px;
-font:12px/1.7 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;white-space:nowrap}
-.chip.missing{background:#ffebe9;color:#a40e26}.chip.extra{background:#fff8c5;color:#7d4e00}
-.chip.drift{background:#eaeef2;color:#57606a}.more{color:var(--muted);font-size:12px}
-td.diff{max-width:420px}.legend{font-size:12px;color:var(--muted);margin:0 0 10px}
-.chart{width:100%;height:auto;display:block}
-.chart .grid{stroke:#eaeef2}.chart .axisline{stroke:var(--line)}
-.chart .axis{fill:var(--muted);font-size:11px}
-.chart .nodata{fill:var(--na);font-size:10px}
-.chart .bar{fill:#eaeef2}
-.chart .line{fill:none;stroke-width:2}.chart .line.cov{stroke:var(--cov)}
-.chart .line.rate{stroke:var(--rate)}
-.chart .dot.cov{fill:var(--cov)}.chart .dot.rate{fill:var(--rate)}
-.chart .threshold{stroke-width:1.5;stroke-dasharray:6 4}
-.chart .threshold.cov{stroke:var(--cov);opacity:.55}
-.chart .threshold.rate{stroke:var(--rate);opacity:.55}
-.chart-legend{font-size:12px;color:var(--muted);margin-top:6px}
-.chart-legend .key{display:inline-block;width:18px;height:3px;margin:0 6px 3px 14px;
-vertical-align:middle}
-.chart-legend .key.cov{background:var(--cov)}.chart-legend .key.rate{background:var(--rate)}
-.chart-legend .key.dash{background:repeating-linear-gradient(90deg,#8c959f 0 5px,
-transparent 5px 8px)}
-.chart-legend .key.barkey{background:#eaeef2;height:10px}
-footer dl{display:grid;grid-template-columns:max-content 1fr;gap:2px 16px;margin:0 0 10px}
-footer dt{color:var(--muted)}footer dd{margin:0}
-"""

@@ -294,7 +294,46 @@ parity_runs = sa.Table(
     sa.Column("min_ticket_match_rate", sa.Float, nullable=False),
     sa.Column("passed", sa.Boolean),
     sa.Column("report", pg.JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+    # The verdict by fault (migration 0003): tickets whose difference is enrichq's fault,
+    # the legacy flow's, and how many of the latter an accepted rule covers. NULL rate and
+    # bar: a run recorded before faults were told apart.
+    sa.Column("shadow_faults", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("shadow_fault_rate", sa.Float),
+    sa.Column("max_shadow_fault_rate", sa.Float),
+    sa.Column("legacy_faults", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("accepted_legacy_faults", sa.BigInteger, nullable=False, server_default="0"),
+    # The reviewed accept file the run applied (its rules are in the report): how many rules
+    # and the SHA-256 of its bytes, so a reviewer can tell which file was signed.
+    sa.Column("accept_rules", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("accept_sha256", sa.Text),
+    sa.CheckConstraint(
+        "accepted_legacy_faults BETWEEN 0 AND legacy_faults", name="accepted_within_faults"
+    ),
     sa.Index("parity_runs_finished_at_idx", "finished_at"),
+)
+
+# A reviewer's signature on a finished, passing parity run; cutover needs one on the run it
+# judges. One per reviewer and run.
+APPROVER_MAX_LENGTH = 200
+APPROVAL_NOTE_MAX_LENGTH = 2000
+
+parity_approvals = sa.Table(
+    "parity_approvals",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(always=True), primary_key=True),
+    sa.Column(
+        "parity_run_id", sa.BigInteger, sa.ForeignKey("enrichq.parity_runs.id"), nullable=False
+    ),
+    sa.Column("approved_by", sa.Text, nullable=False),
+    sa.Column("note", sa.Text),
+    sa.Column("approved_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+    sa.UniqueConstraint("parity_run_id", "approved_by"),
+    sa.CheckConstraint(
+        f"char_length(approved_by) BETWEEN 1 AND {APPROVER_MAX_LENGTH}", name="approver_length"
+    ),
+    sa.CheckConstraint(
+        f"note IS NULL OR char_length(note) <= {APPROVAL_NOTE_MAX_LENGTH}", name="note_length"
+    ),
 )
 
 cutover_events = sa.Table(
@@ -307,6 +346,8 @@ cutover_events = sa.Table(
     sa.Column("actor", sa.Text, nullable=False),
     sa.Column("at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
     sa.Column("note", sa.Text),
+    # The tenant moved by a staged cutover or rollback; NULL: every tenant at once.
+    sa.Column("tenant", sa.Text),
     sa.CheckConstraint("action IN ('cutover', 'rollback')", name="action_known"),
 )
 
@@ -348,4 +389,17 @@ audit_log = sa.Table(
     sa.CheckConstraint(_one_of("command", AuditCommand), name="command_known"),
     sa.CheckConstraint("rows_affected >= 0", name="rows_affected_non_negative"),
     sa.CheckConstraint("finished_at IS NULL OR finished_at >= at", name="finished_after_start"),
+)
+
+# The tenants whose consumers read enrichq's rows while a cutover is staged: the consumer
+# view's shadow side joins it. It lives beside the view in the consumer-facing schema, where
+# the service's role has no rights: only `enrichq cutover` changes what consumers read.
+cutover_tenants = sa.Table(
+    "cutover_tenants",
+    metadata,
+    sa.Column("tenant", sa.Text, primary_key=True),
+    sa.Column(
+        "event_id", sa.BigInteger, sa.ForeignKey("enrichq.cutover_events.id"), nullable=False
+    ),
+    schema=PUBLIC_SCHEMA,
 )

@@ -363,26 +363,73 @@ def _parse_day(value: str | None, name: str) -> Any:
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
-@cli.command()
+@cli.group(invoke_without_command=True)
 @click.option("--since", help="Start of the window (YYYY-MM-DD or ISO time, UTC); default 7 days.")
 @click.option("--until", help="End of the window (exclusive); default now.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path))
-@pass_context
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write the JSON report.",
+)
+@click.option(
+    "--html",
+    "html_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write the HTML report (one self-contained file).",
+)
+@click.option(
+    "--csv",
+    "csv_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Export every differing ticket (class, fault, accepting rules, order ids).",
+)
+@click.option(
+    "--accept",
+    "accept_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="TOML file of reviewed differences to accept (docs/cutover.md).",
+)
+@click.pass_context
 def parity(
-    ctx: Context,
+    click_ctx: click.Context,
+    *,
     since: str | None,
     until: str | None,
     json_path: Path | None,
     html_path: Path | None,
+    csv_path: Path | None,
+    accept_path: Path | None,
 ) -> None:
-    """Compare shadow output with legacy output; exit 1 below the thresholds."""
+    """Compare shadow output with legacy output (exit 1 below the bars); review the runs.
+
+    Without a command, runs a comparison. The commands sign and list recorded runs.
+    """
+    options = {
+        "--since": since,
+        "--until": until,
+        "--json": json_path,
+        "--html": html_path,
+        "--csv": csv_path,
+        "--accept": accept_path,
+    }
+    if click_ctx.invoked_subcommand is not None:
+        given = [name for name, value in options.items() if value is not None]
+        if given:
+            verb = "belongs" if len(given) == 1 else "belong"
+            fail(
+                f"parity {click_ctx.invoked_subcommand}: {', '.join(given)} {verb} to a "
+                "comparison (`enrichq parity`), not to this command"
+            )
+        return
     since_at = _parse_day(since, "--since")
     until_at = _parse_day(until, "--until")
     if since_at and until_at and since_at >= until_at:
         fail("--since must be before --until")
     from enrichq_parity.parity import run_cli
 
+    ctx = click_ctx.find_object(Context)
+    assert ctx is not None  # the root command always sets it
     settings = ctx.settings
     with ctx.database() as url:
         sys.exit(
@@ -393,21 +440,96 @@ def parity(
                 until=until_at,
                 json_path=json_path,
                 html_path=html_path,
+                csv_path=csv_path,
+                accept_path=accept_path,
             )
         )
 
 
+@parity.command("approve", short_help="Sign a reviewed run (cutover needs one).")
+@click.argument("run_id", type=click.IntRange(min=1))
+@click.option("--by", "by", required=True, help="Who approves: the reviewer's name.")
+@click.option("--note", default=None, help="What was checked, or why it is fine.")
+@pass_context
+def parity_approve(ctx: Context, run_id: int, by: str, note: str | None) -> None:
+    """Sign parity run RUN_ID after reviewing its report (cutover needs a signed run)."""
+    from enrichq_parity.review import approve_cli
+
+    settings = ctx.settings
+    with ctx.database() as url:
+        sys.exit(approve_cli(settings, url, run_id=run_id, by=by, note=note))
+
+
+@parity.command("runs", short_help="Recent runs: verdict, rules, approvals.")
+@click.option("--limit", type=click.IntRange(min=1, max=1000), default=20, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON lines.")
+@pass_context
+def parity_runs(ctx: Context, limit: int, as_json: bool) -> None:
+    """Recent parity runs, newest first: verdict, accepted rules, approvals."""
+    from enrichq_parity.review import runs_cli
+
+    settings = ctx.settings
+    with ctx.database() as url:
+        sys.exit(runs_cli(settings, url, limit=limit, as_json=as_json))
+
+
+@parity.command("show", short_help="A recorded run's summary and reports, again.")
+@click.argument("run_id", type=click.IntRange(min=1))
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path))
+@pass_context
+def parity_show(ctx: Context, run_id: int, json_path: Path | None, html_path: Path | None) -> None:
+    """A recorded run's summary; its reports again, with the approvals it has now."""
+    from enrichq_parity.review import show_cli
+
+    settings = ctx.settings
+    with ctx.database() as url:
+        sys.exit(show_cli(settings, url, run_id=run_id, json_path=json_path, html_path=html_path))
+
+
 @cli.command()
 @click.option("--rollback", is_flag=True, help="Point consumers back at the legacy table.")
+@click.option(
+    "--tenant",
+    "tenants",
+    multiple=True,
+    help="Move only this tenant (repeat): a staged cutover. Default: every tenant.",
+)
+@click.option(
+    "--status", "show_status", is_flag=True, help="Per tenant: what consumers read, since when."
+)
+@click.option("--json", "as_json", is_flag=True, help="With --status: print JSON.")
 @click.option("--actor", default=None, help="Who does this (default: the OS user).")
 @pass_context
-def cutover(ctx: Context, rollback: bool, actor: str | None) -> None:
-    """Point consumers at the shadow table, only after a fresh passing parity run."""
+def cutover(
+    ctx: Context,
+    *,
+    rollback: bool,
+    tenants: tuple[str, ...],
+    show_status: bool,
+    as_json: bool,
+    actor: str | None,
+) -> None:
+    """Point consumers at the shadow table, after a passing, fresh and approved parity run."""
+    if show_status and (rollback or tenants or actor is not None):
+        fail("cutover: --status only shows the state; it takes no --rollback, --tenant or --actor")
+    if as_json and not show_status:
+        fail("cutover: --json goes with --status")
     from enrichq_parity.cutover import run_cli
 
     settings = ctx.settings
     with ctx.database() as url:
-        sys.exit(run_cli(settings, url, rollback=rollback, actor=actor))
+        sys.exit(
+            run_cli(
+                settings,
+                url,
+                rollback=rollback,
+                actor=actor,
+                tenants=tenants,
+                show_status=show_status,
+                as_json=as_json,
+            )
+        )
 
 
 @cli.command()

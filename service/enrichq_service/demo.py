@@ -3,7 +3,9 @@
 Seeds a help desk, a warehouse and a legacy output with realistic imperfections in a
 database of its own (``enrichq_demo``, recreated each run), runs ``serve`` in shadow mode
 with shortened delays, posts every ticket as a signed webhook event, lets the worker
-enrich them, runs the sweeper once, and writes the parity report.
+enrich them, runs the sweeper once, and then walks the review of docs/cutover.md: a
+parity run, an accept file for the legacy flow's known losses, a second run that passes,
+its approval, the cutover of one tenant and the cutover status.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,31 @@ from enrichq_service.settings import Settings
 DEMO_DATABASE = "enrichq_demo"
 EVENTS_PER_REQUEST = 100
 REPORT_DIR = Path("enrichq-demo-report")
+DEMO_REVIEWER = "demo-reviewer"
+DEMO_TENANT = "acme"
+# The accept file the demo's reviewer writes after reading the first report: the seeded
+# legacy flow's known losses, for the days the demo's tickets were created on.
+ACCEPT_FILE = '''\
+# Reviewed differences for the demo's cutover (written by `enrichq demo`).
+# Every rule covers one kind of legacy fault over the days the demo's tickets were created.
+
+[[rule]]
+class = "legacy_missing"
+first_day = {first_day}
+last_day = {last_day}
+reason = """The legacy flow drops a ticket when it restarts mid-lookup, and writes no row \\
+for a customer without orders at lookup time: enrichq found their orders, and the \\
+warehouse confirms them."""
+author = "{author}"
+
+[[rule]]
+class = "extra_only"
+first_day = {first_day}
+last_day = {last_day}
+reason = """The legacy flow saved some tickets' orders only in part, and never looks a \\
+ticket up again: the orders it missed are confirmed by the warehouse."""
+author = "{author}"
+'''
 
 
 def _recreate(url: str) -> str:
@@ -51,7 +79,6 @@ def run_demo(  # noqa: PLR0915 -- the demo is one story, told in order
     from rich.panel import Panel
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from enrichq_parity.parity import run_cli as run_parity
     from enrichq_service import seed
     from enrichq_service.http import create_app, start_server_thread
     from enrichq_service.observe import register_queue_collector, set_build_info
@@ -128,29 +155,25 @@ def run_demo(  # noqa: PLR0915 -- the demo is one story, told in order
             f"{refreshed} refreshes enqueued"
         )
         REPORT_DIR.mkdir(exist_ok=True)
-        html, report_json = REPORT_DIR / "parity.html", REPORT_DIR / "parity.json"
-        now = datetime.now(UTC)
-        verdict = run_parity(
-            demo,
-            demo_url,
-            since=now - timedelta(days=3),
-            until=now,
-            json_path=report_json,
-            html_path=html,
-        )
+        review = _review(demo, demo_url, console)
         metrics_url = f"{server.url}/metrics"
         console.print(
             Panel.fit(
-                f"[bold]{len(ticket_rows)} tickets[/] enriched in shadow mode in "
-                f"{time.monotonic() - started:.0f} s\n"
-                f"parity: {'[green]pass' if verdict == 0 else '[yellow]below the bar'}[/] "
-                "(the differences are the legacy flow's lost and partial tickets)\n"
-                f"report: [link]{html.resolve()}[/]  (JSON: {report_json})\n"
+                f"[bold]{len(ticket_rows)} tickets[/] enriched in shadow mode, reviewed and one "
+                f"tenant cut over in {time.monotonic() - started:.0f} s\n"
+                f"parity run #{review.first_run}: {review.first_state}; the differences are "
+                "the legacy flow's lost and partial tickets\n"
+                f"parity run #{review.second_run} with {review.accept_file}: "
+                f"{review.second_state}, approved by {DEMO_REVIEWER}\n"
+                f"cutover: tenant {DEMO_TENANT} reads enrichq's rows, the others the legacy "
+                "rows\n"
+                f"report: [link]{review.html.resolve()}[/]  (JSON and CSV beside it)\n"
                 f"metrics: {metrics_url}"
                 + ("" if keep_running else " (stopped; use --keep-running to keep it up)")
                 + "\nexplore: run `enrichq demo --keep-running`, then in another shell "
                 f"ENRICHQ_DATABASE_URL='{normalize_url(demo_url).render_as_string()}' "
-                "enrichq status (or dlq list, parity, cutover)",
+                "enrichq parity runs (or cutover --status, cutover --rollback --tenant "
+                f"{DEMO_TENANT}, status, dlq list)",
                 title="enrichq demo",
             )
         )
@@ -165,6 +188,92 @@ def run_demo(  # noqa: PLR0915 -- the demo is one story, told in order
         server.stop()
         engines.dispose()
     return 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Review:
+    """What the demo's review did: the two runs, the accept file, the report."""
+
+    first_run: int
+    first_state: str
+    second_run: int
+    second_state: str
+    accept_file: Path
+    html: Path
+
+
+_STATE_WORDS = {
+    "pass": "pass, every legacy fault accepted",
+    "review": "shadow bars met, legacy faults still to accept",
+    "fail": "below the bars",
+    "empty": "nothing to judge",
+}
+
+
+def _review(demo: Settings, demo_url: str, console: Any) -> _Review:
+    """The review path of docs/cutover.md: parity, an accept file, parity again, approve,
+    cut one tenant over, status; each step through the command it documents."""
+    from enrichq_parity import cutover, review
+    from enrichq_parity import report as render
+    from enrichq_parity.parity import run_cli as run_parity
+
+    def latest() -> review.RunRow:
+        engine = create_engine(demo_url, pool_size=1)
+        try:
+            with engine.connect() as conn:
+                return review.list_runs(conn, 1)[0]
+        finally:
+            engine.dispose()
+
+    now = datetime.now(UTC)
+    since = now - timedelta(days=3)
+    first_html = REPORT_DIR / "parity-first.html"
+    console.rule("parity, before review")
+    run_parity(
+        demo, demo_url, since=since, until=now, json_path=REPORT_DIR / "parity-first.json",
+        html_path=first_html,
+    )  # fmt: skip
+    first = latest()
+    accept_file = REPORT_DIR / "accept.toml"
+    accept_file.write_text(
+        ACCEPT_FILE.format(
+            first_day=since.date().isoformat(),
+            last_day=now.date().isoformat(),
+            author=DEMO_REVIEWER,
+        ),
+        encoding="utf-8",
+    )
+    console.rule(f"parity again, with {accept_file}")
+    html, report_json = REPORT_DIR / "parity.html", REPORT_DIR / "parity.json"
+    run_parity(
+        demo, demo_url, since=since, until=now, json_path=report_json, html_path=None,
+        csv_path=REPORT_DIR / "mismatches.csv", accept_path=accept_file,
+    )  # fmt: skip
+    second = latest()
+    console.rule("sign-off and a staged cutover")
+    review.approve_cli(
+        demo, demo_url, run_id=second.id, by=DEMO_REVIEWER,
+        note="read the fault groups; every legacy fault is covered by a rule",
+    )  # fmt: skip
+    cutover.run_cli(demo, demo_url, rollback=False, actor=DEMO_REVIEWER, tenants=[DEMO_TENANT])
+    cutover.run_cli(demo, demo_url, rollback=False, actor=None, show_status=True)
+    # the report of the signed run, with its approval on it (what `parity show` writes)
+    engine = create_engine(demo_url, pool_size=1)
+    try:
+        with engine.connect() as conn:
+            signed, approvals = review.load_report(conn, second.id)
+    finally:
+        engine.dispose()
+    html.write_text(render.to_html(signed, approvals), encoding="utf-8")
+    report_json.write_text(render.to_json(signed, approvals), encoding="utf-8")
+    return _Review(
+        first.id,
+        _STATE_WORDS.get(first.state, first.state),
+        second.id,
+        _STATE_WORDS.get(second.state, second.state),
+        accept_file,
+        html,
+    )
 
 
 def _post_events(

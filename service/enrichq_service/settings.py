@@ -40,6 +40,7 @@ HTTP_PORT_DEFAULT = 8080
 METRICS_PORT_DEFAULT = 9464
 PARITY_MIN_ORDER_COVERAGE_DEFAULT = 0.995
 PARITY_MIN_TICKET_MATCH_RATE_DEFAULT = 0.99
+PARITY_MAX_SHADOW_FAULT_RATE_DEFAULT = 0.005
 PARITY_MAX_AGE_HOURS_DEFAULT = 24
 PRIORITY_AGING_SECONDS_DEFAULT = 600
 EVENT_DEDUPE_HOURS_DEFAULT = 24
@@ -176,10 +177,22 @@ class Settings(BaseSettings):
         default=0, ge=0, description="Sweeper runs parity this often; 0 = never."
     )
     parity_min_order_coverage: float = Field(
-        default=PARITY_MIN_ORDER_COVERAGE_DEFAULT, ge=0, le=1, description="Parity pass bar."
+        default=PARITY_MIN_ORDER_COVERAGE_DEFAULT,
+        ge=0,
+        le=1,
+        description="Parity pass bar: |shadow ∩ legacy| / |legacy| over the orders.",
     )
     parity_min_ticket_match_rate: float = Field(
-        default=PARITY_MIN_TICKET_MATCH_RATE_DEFAULT, ge=0, le=1, description="Parity pass bar."
+        default=PARITY_MIN_TICKET_MATCH_RATE_DEFAULT,
+        ge=0,
+        le=1,
+        description="Below it the report marks how often both flows agree; not a pass bar.",
+    )
+    parity_max_shadow_fault_rate: float = Field(
+        default=PARITY_MAX_SHADOW_FAULT_RATE_DEFAULT,
+        ge=0,
+        le=1,
+        description="Parity pass bar: tickets that are enrichq's fault / tickets compared.",
     )
     parity_max_age_hours: float = Field(
         default=PARITY_MAX_AGE_HOURS_DEFAULT, gt=0, description="Cutover needs a younger run."

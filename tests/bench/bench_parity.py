@@ -4,11 +4,13 @@
 
 Seeds N tickets (default 1,000,000) with about three orders each over seven days into a
 scratch database on ENRICHQ_TEST_DATABASE_URL's server, with a realistic sprinkling of
-differences, then in the same run times (a) a bare FULL OUTER JOIN count of the legacy and
-shadow order tables and (b) a full parity run, each parity run in a fresh process so its
-peak RSS (resource.getrusage) is its own. The same is done at N/4 tickets: parity's memory
-must be flat in the number of tickets (it holds per-day aggregates, never rows), and its
-time should stay within 3x of the bare join.
+differences of every fault group (so every shadow-only order is checked against the
+warehouse), then in the same run times (a) a bare FULL OUTER JOIN count of the legacy and
+shadow order tables, (b) a full parity run applying an accept file's rules, and (c) the
+same run exporting every differing ticket as CSV, each parity run in a fresh process so
+its peak RSS (resource.getrusage) is its own. The same is done at N/4 tickets: parity's
+memory must be flat in the number of tickets (it holds per-day aggregates and a bounded
+sample, never rows; the export streams), and its time should stay within 3x of the join.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -40,6 +43,7 @@ CREATE TABLE helpdesk.tickets (
     id text PRIMARY KEY, requester_email text, tenant text,
     created_at timestamptz NOT NULL, updated_at timestamptz NOT NULL);
 CREATE SCHEMA warehouse;
+CREATE TABLE warehouse.customers (customer_id text PRIMARY KEY, email text);
 CREATE TABLE warehouse.orders (
     order_id text PRIMARY KEY, customer_id text, placed_at timestamptz, total numeric);
 CREATE SCHEMA legacy;
@@ -56,6 +60,10 @@ SEED = [
                * :span / :n),
            CAST(:end AS timestamptz)
     FROM generate_series(1, :n) AS g
+    """,
+    """
+    INSERT INTO warehouse.customers SELECT 'C' || g, 'c' || g || '@example.com'
+    FROM generate_series(0, :n) AS g
     """,
     """
     INSERT INTO warehouse.orders
@@ -77,7 +85,8 @@ SEED = [
     WHERE t.g % 1000 <> 7 AND NOT (t.g % 400 = 3 AND k = 1 + t.g % 5 AND k > 1)
     """,
     # shadow: every order, except 1 ticket in 500 missing its first order and 1 in 2000 never
-    # enriched; plus a drift order (placed after the legacy lookup) on 1 ticket in 100
+    # enriched; plus a drift order (placed after the legacy lookup, confirmed by the
+    # warehouse) on 1 ticket in 100, and another customer's order on 1 ticket in 5000
     """
     INSERT INTO enrichq.ticket_orders
     SELECT 'T' || t.g, 'O' || t.g || '-' || k, 'C' || t.g, t.created_at - interval '1 day',
@@ -97,6 +106,29 @@ SEED = [
            10, now(), g
     FROM generate_series(1, :n) AS g
     WHERE g % 100 = 5
+    """,
+    """
+    INSERT INTO warehouse.orders
+    SELECT 'D' || g, 'C' || g,
+           CAST(:end AS timestamptz)
+               - make_interval(secs => CAST(g AS double precision) * :span / :n)
+               + interval '80 minutes',
+           10
+    FROM generate_series(1, :n) AS g
+    WHERE g % 100 = 5
+    """,
+    """
+    INSERT INTO warehouse.orders
+    SELECT 'X' || g, 'C0', CAST(:end AS timestamptz) - interval '30 days', 10
+    FROM generate_series(1, :n) AS g
+    WHERE g % 5000 = 17
+    """,
+    """
+    INSERT INTO enrichq.ticket_orders
+    SELECT 'T' || g, 'X' || g, 'C0', CAST(:end AS timestamptz) - interval '30 days', 10,
+           now(), g
+    FROM generate_series(1, :n) AS g
+    WHERE g % 5000 = 17
     """,
     """
     INSERT INTO enrichq.ticket_enrichments
@@ -131,6 +163,14 @@ class Measure:
     rss_before_mb: float
     rss_peak_mb: float
     coverage: float | None
+    shadow_fault_rate: float | None
+    legacy_faults: int
+    accepted: int
+    unverified: int
+    state: str
+    csv_seconds: float
+    csv_rss_peak_mb: float
+    csv_rows: int
 
 
 def backend_cpu(conn: sa.Connection) -> tuple[int, float | None]:
@@ -190,8 +230,28 @@ def bare_join(url: str) -> tuple[float, float | None]:
     return min(walls), (min(cpus) if cpus else None)
 
 
-def parity_child(url: str, since: str, until: str) -> None:
-    """In a fresh process: one parity run; print its time and this process's peak RSS."""
+def accept_file(since: datetime, until: datetime) -> Any:
+    """What a reviewer accepts in this world: both legacy-fault classes over the window."""
+    from enrichq_parity.model import AcceptFile, AcceptRule, TicketClass
+
+    rules = tuple(
+        AcceptRule(
+            number=n,
+            line=n,
+            ticket_class=c,
+            reason="the legacy flow's known losses",
+            author="bench",
+            first_day=since.date(),
+            last_day=until.date(),
+        )
+        for n, c in enumerate((TicketClass.LEGACY_MISSING, TicketClass.EXTRA_ONLY), start=1)
+    )
+    return AcceptFile("bench.toml", "0" * 64, rules)
+
+
+def parity_child(url: str, since: str, until: str, csv_path: str | None = None) -> None:
+    """In a fresh process: one parity run (with the accept rules, and a CSV export when
+    given a path); print its time, this process's peak RSS and what it found."""
     from enrichq_parity.parity import run_parity
     from enrichq_service.settings import Settings
 
@@ -214,6 +274,8 @@ def parity_child(url: str, since: str, until: str) -> None:
         settings,
         since=datetime.fromisoformat(since),
         until=datetime.fromisoformat(until),
+        accept=accept_file(datetime.fromisoformat(since), datetime.fromisoformat(until)),
+        csv_path=Path(csv_path) if csv_path else None,
     )
     seconds = time.perf_counter() - started
     cpu_after = {pid: process_cpu(pid) for pid in pids}
@@ -235,15 +297,31 @@ def parity_child(url: str, since: str, until: str) -> None:
                 "rss_peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
                 "coverage": report.total.order_coverage,
                 "compared": report.total.compared,
+                "shadow_fault_rate": report.total.shadow_fault_rate,
+                "legacy_faults": report.total.legacy_faults,
+                "accepted": report.total.accepted_legacy_faults,
+                "unverified": report.total.unverified,
+                "state": report.verdict.state,
+                "csv_rows": _csv_rows(csv_path),
             }
         )
     )
 
 
-def run_parity_process(url: str, since: datetime, until: datetime) -> dict[str, Any]:
+def _csv_rows(path: str | None) -> int | None:
+    if not path:
+        return None
+    with Path(path).open(encoding="utf-8") as handle:
+        return sum(1 for _ in handle) - 1  # the header
+
+
+def run_parity_process(
+    url: str, since: datetime, until: datetime, csv_path: Path | None = None
+) -> dict[str, Any]:
+    extra = [str(csv_path)] if csv_path else []
     out = subprocess.run(
         [sys.executable, "-m", "tests.bench.bench_parity", "--child", url, since.isoformat(),
-         until.isoformat()],
+         until.isoformat(), *extra],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -262,6 +340,9 @@ def measure(tickets: int) -> Measure:
         since, until = end - timedelta(days=DAYS, hours=1), end + timedelta(hours=1)
         runs = [run_parity_process(url, since, until) for _ in range(2)]
         best = min(runs, key=lambda r: float(r["seconds"]))
+        # and once more exporting every differing ticket: its memory must stay flat too
+        with tempfile.TemporaryDirectory(prefix="enrichq-bench-") as tmp:
+            exported = run_parity_process(url, since, until, Path(tmp) / "mismatches.csv")
         return Measure(
             tickets=tickets,
             legacy_rows=legacy,
@@ -273,6 +354,14 @@ def measure(tickets: int) -> Measure:
             rss_before_mb=max(r["rss_before_kb"] for r in runs) / 1024,
             rss_peak_mb=max(r["rss_peak_kb"] for r in runs) / 1024,
             coverage=best["coverage"],
+            shadow_fault_rate=best["shadow_fault_rate"],
+            legacy_faults=best["legacy_faults"],
+            accepted=best["accepted"],
+            unverified=best["unverified"],
+            state=best["state"],
+            csv_seconds=exported["seconds"],
+            csv_rss_peak_mb=exported["rss_peak_kb"] / 1024,
+            csv_rows=exported["csv_rows"],
         )
 
 
@@ -283,7 +372,7 @@ def _ratio(a: float | None, b: float | None) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--tickets", type=int, default=1_000_000)
-    parser.add_argument("--child", nargs=3, metavar=("URL", "SINCE", "UNTIL"), help="internal")
+    parser.add_argument("--child", nargs="+", metavar="URL SINCE UNTIL [CSV]", help="internal")
     args = parser.parse_args()
     if args.child:
         parity_child(*args.child)
@@ -303,7 +392,9 @@ def main() -> None:
             _ratio(r.parity_cpu, r.join_cpu),
             r.rss_before_mb,
             r.rss_peak_mb,
-            f"{(r.coverage or 0) * 100:.2f}%",
+            r.csv_seconds,
+            r.csv_rows,
+            r.csv_rss_peak_mb,
         )
         for r in results
     ]
@@ -319,18 +410,33 @@ def main() -> None:
             "cpu ratio",
             "RSS0 MB",
             "RSS MB",
-            "coverage",
+            "+csv s",
+            "csv rows",
+            "+csv RSS MB",
         ],
         rows,
         note=(
             "join: best of 3 bare FULL OUTER JOIN counts of the legacy and shadow order tables;"
-            " parity: the better of 2 runs (each a fresh process) over every ticket, one"
-            " read-only transaction per day, ENRICHQ_PARITY_CONCURRENCY (default 2) days at once."
+            " parity: the better of 2 runs (each a fresh process) over every ticket, every"
+            " shadow-only order verified against the warehouse, an accept file of 2 rules"
+            " applied, one read-only transaction per day, ENRICHQ_PARITY_CONCURRENCY (default 2)"
+            " days at once; +csv: one more run that also exports every differing ticket."
             " s = wall seconds, cpu = server-process CPU seconds summed over parity's"
             " connections (unaffected by other load; blank for a remote server). Targets: ratio"
             " <= 3; RSS (the parity process's peak; RSS0 before the run) flat across sizes."
         ),
     )
+    print_table(
+        "what parity found",
+        ["tickets", "coverage", "shadow fault rate", "unverified", "legacy faults", "accepted",
+         "verdict"],
+        [
+            (r.tickets, f"{(r.coverage or 0) * 100:.2f}%",
+             f"{(r.shadow_fault_rate or 0) * 100:.3f}%", r.unverified, r.legacy_faults,
+             r.accepted, r.state)
+            for r in results
+        ],
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

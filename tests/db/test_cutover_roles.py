@@ -17,7 +17,7 @@ import psycopg.errors
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
-from tests.db.test_parity import create_sources
+from tests.support.parity_world import create_sources
 
 from enrichq_schema.db import create_engine
 
@@ -139,3 +139,22 @@ def test_a_login_user_in_the_role_is_refused_too(sources: sa.Engine, db_url: str
     with sources.connect() as conn:
         assert conn.execute(sa.text("SELECT count(*) FROM legacy.ticket_orders")).scalar() == 1
         assert conn.execute(sa.text("SELECT count(*) FROM enrichq.queue")).scalar() == 1
+
+
+def test_the_service_role_cannot_change_what_consumers_read(
+    sources: sa.Engine, db_url: str
+) -> None:
+    """The staged cutover's tenant list sits beside the consumer view, out of the service's
+    reach: a shadow deployment cannot move a tenant, whatever its code does."""
+    with service_role(db_url) as (role, _), sources.connect() as conn:
+        conn.execute(sa.text(f"SET ROLE {role}"))
+        for statement in (
+            "SELECT count(*) FROM enrichq_public.cutover_tenants",
+            "INSERT INTO enrichq_public.cutover_tenants VALUES ('acme', 1)",
+        ):
+            with pytest.raises(sa.exc.ProgrammingError) as denied:
+                conn.execute(sa.text(statement))
+            assert isinstance(denied.value.orig, psycopg.errors.InsufficientPrivilege)
+            conn.rollback()
+            conn.execute(sa.text(f"SET ROLE {role}"))
+        conn.rollback()

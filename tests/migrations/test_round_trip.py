@@ -35,3 +35,31 @@ def test_upgrade_check_downgrade_upgrade(empty_db: str) -> None:
     with engine.connect() as conn:
         assert current_revision(conn) == head_revision()
     engine.dispose()
+
+
+def test_downgrading_below_the_review_refuses_while_a_cutover_is_staged(
+    databases: Databases,
+) -> None:
+    """The staged view reads enrichq_public.cutover_tenants: dropping it would drop the view
+    consumers read, so the downgrade stops and says what to do first."""
+    empty_db = databases.create_empty("staged")
+    cfg = alembic_config(empty_db)
+    command.upgrade(cfg, "head")  # type: ignore[arg-type]
+    engine = create_engine(empty_db)
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(
+                "CREATE SCHEMA helpdesk; CREATE TABLE helpdesk.tickets (id text PRIMARY KEY,"
+                " tenant text); CREATE SCHEMA legacy; CREATE TABLE legacy.ticket_orders"
+                " (ticket_id text, order_id text, looked_up_at timestamptz);"
+                " CREATE VIEW enrichq_public.ticket_orders AS SELECT l.ticket_id, l.order_id,"
+                " l.looked_up_at FROM legacy.ticket_orders AS l WHERE NOT EXISTS (SELECT 1"
+                " FROM helpdesk.tickets AS t JOIN enrichq_public.cutover_tenants AS c"
+                " ON c.tenant = t.tenant WHERE t.id = l.ticket_id)"
+            )
+        with pytest.raises(RuntimeError, match=r"run `enrichq cutover --rollback` before"):
+            command.downgrade(cfg, "0002")  # type: ignore[arg-type]
+        with engine.connect() as conn:
+            assert current_revision(conn) == head_revision()
+    finally:
+        engine.dispose()

@@ -36,6 +36,7 @@ def test_defaults_match_the_design() -> None:
     assert s.legacy_table == "legacy.ticket_orders"
     assert (s.http_port, s.metrics_port) == (8080, 9464)
     assert (s.parity_min_order_coverage, s.parity_min_ticket_match_rate) == (0.995, 0.99)
+    assert s.parity_max_shadow_fault_rate == 0.005
     assert s.parity_max_age_hours == 24
 
 

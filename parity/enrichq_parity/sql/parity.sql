@@ -31,14 +31,19 @@ SET TRANSACTION READ ONLY
 
 -- name: parity_day_settings
 -- For this day's transaction only: no JIT (its compile time exceeds what it saves on a
--- query made of many small index probes), and room to group a day's tickets by tenant in
--- memory instead of spilling to temporary files.
-SELECT set_config('jit', 'off', true), set_config('work_mem', '32MB', true)
+-- query made of many small index probes), room to group a day's tickets by tenant in
+-- memory instead of spilling to temporary files, and (for the CSV export, which streams
+-- through a server-side cursor) a plan for every row, not the cursor's fast first 10%.
+SELECT set_config('jit', 'off', true), set_config('work_mem', '32MB', true),
+       set_config('cursor_tuple_fraction', '1.0', true)
 
 -- name: parity_day
 -- One day of tickets (created in [:day_start, :day_end)): a 'class' row per (tenant, class)
--- with ticket and order counts, an 'excluded' row per (tenant, reason), and 'sample' rows:
--- up to :sample_size tickets per class other than exact, with their order diffs.
+-- with ticket, accepted-ticket and order counts, an 'excluded' row per (tenant, reason), a
+-- 'rule' row per accept rule that matched (its ticket count and first :rule_sample ids),
+-- 'sample' rows (up to :sample_size tickets per class other than exact, the most differing
+-- orders first) and, when :export, a 'ticket' row for every such ticket, by ticket id.
+-- :rules is the accept file's rules as a JSON array (AcceptRule.as_sql).
 WITH
 -- tickets with open queue rows (any kind) are still being processed. One branch per open
 -- state, each implying its partial index's predicate; open rows are few, so the set is
@@ -57,11 +62,13 @@ summary AS MATERIALIZED (
            count(*) FILTER (WHERE c.same) AS exact,
            coalesce(sum(c.shadow_orders) FILTER (WHERE c.same), 0) AS exact_orders,
            array_agg(d.ticket_id) FILTER (WHERE NOT c.same) AS differing_ids,
-           array_agg(d.created_at) FILTER (WHERE NOT c.same) AS differing_created_at
+           array_agg(d.created_at) FILTER (WHERE NOT c.same) AS differing_created_at,
+           array_agg(d.requester_email) FILTER (WHERE NOT c.same) AS differing_emails
     FROM (
         -- the day's tickets, each with the reason it is left out (NULL: compared)
         SELECT CAST(t.id AS text) AS ticket_id,
                coalesce(CAST(t.tenant AS text), '') AS tenant,
+               CAST(t.requester_email AS text) AS requester_email,
                t.created_at,
                CASE
                    WHEN t.created_at > CAST(:young_after AS timestamptz) THEN 'too_young'
@@ -95,17 +102,20 @@ summary AS MATERIALIZED (
     ) AS c ON d.excluded IS NULL
     GROUP BY d.tenant
 ),
--- the differing tickets: the orders on one side only, when legacy looked the ticket up,
--- and when (whether) enrichq enriched it
+-- the differing tickets: the orders on one side only (sorted), when legacy looked the
+-- ticket up, and when (whether) enrichq enriched it
 differing AS MATERIALIZED (
     SELECT x.ticket_id,
            x.tenant,
            x.created_at,
+           x.requester_email,
            cardinality(x.legacy_ids) AS legacy_orders,
            cardinality(x.shadow_ids) AS shadow_orders,
-           ARRAY(SELECT unnest(x.legacy_ids) EXCEPT SELECT unnest(x.shadow_ids)) AS missing_ids,
            ARRAY(
-               SELECT unnest(x.shadow_ids) EXCEPT SELECT unnest(x.legacy_ids)
+               SELECT unnest(x.legacy_ids) EXCEPT SELECT unnest(x.shadow_ids) ORDER BY 1
+           ) AS missing_ids,
+           ARRAY(
+               SELECT unnest(x.shadow_ids) EXCEPT SELECT unnest(x.legacy_ids) ORDER BY 1
            ) AS shadow_only_ids,
            (
                SELECT max(l.looked_up_at) FROM {legacy} AS l WHERE l.ticket_id = x.ticket_id
@@ -118,6 +128,7 @@ differing AS MATERIALIZED (
         SELECT u.ticket_id,
                s.tenant,
                u.created_at,
+               u.requester_email,
                ARRAY(
                    SELECT DISTINCT l.order_id FROM {legacy} AS l
                    WHERE l.ticket_id = u.ticket_id AND l.order_id IS NOT NULL
@@ -127,29 +138,53 @@ differing AS MATERIALIZED (
                    WHERE o.ticket_id = u.ticket_id
                ) AS shadow_ids
         FROM summary AS s,
-             unnest(s.differing_ids, s.differing_created_at) AS u (ticket_id, created_at)
+             unnest(s.differing_ids, s.differing_created_at, s.differing_emails)
+                 AS u (ticket_id, created_at, requester_email)
         OFFSET 0
     ) AS x
 ),
--- shadow-only orders placed after the legacy lookup are drift (explained by time); placed_at
--- comes from the shadow row, else from the warehouse
-drifted AS MATERIALIZED (
-    SELECT d.*,
-           ARRAY(
-               SELECT u.order_id
-               FROM unnest(d.shadow_only_ids) AS u (order_id)
-               WHERE coalesce(
-                   (
-                       SELECT s.placed_at FROM enrichq.ticket_orders AS s
-                       WHERE s.ticket_id = d.ticket_id AND s.order_id = u.order_id
-                   ),
-                   (SELECT max(w.placed_at) FROM {orders} AS w WHERE w.order_id = u.order_id)
-               ) > d.legacy_looked_up_at
-           ) AS drift_ids
+-- every shadow-only order checked against the warehouse. Verified: an order of the ticket's
+-- customer (found by the requester's e-mail, as enrichq's lookup finds it) placed no later
+-- than enrichq's lookup of the ticket. A verified order placed after the legacy lookup is
+-- drift, another is an extra; an order the warehouse does not confirm is unverified.
+checked AS MATERIALIZED (
+    SELECT d.*, v.extra_ids, v.drift_ids, v.unverified_ids
     FROM differing AS d
+    CROSS JOIN LATERAL (
+        SELECT coalesce(
+                   array_agg(o.order_id ORDER BY o.order_id) FILTER (WHERE o.verified AND NOT o.drift),
+                   CAST('{}' AS text[])
+               ) AS extra_ids,
+               coalesce(
+                   array_agg(o.order_id ORDER BY o.order_id) FILTER (WHERE o.verified AND o.drift),
+                   CAST('{}' AS text[])
+               ) AS drift_ids,
+               coalesce(
+                   array_agg(o.order_id ORDER BY o.order_id) FILTER (WHERE NOT o.verified),
+                   CAST('{}' AS text[])
+               ) AS unverified_ids
+        FROM (
+            SELECT u.order_id,
+                   w.placed_at IS NOT NULL AS verified,
+                   coalesce(w.placed_at > d.legacy_looked_up_at, false) AS drift
+            FROM unnest(d.shadow_only_ids) AS u (order_id)
+            LEFT JOIN LATERAL (
+                SELECT w.placed_at
+                FROM {orders} AS w
+                JOIN {customers} AS k ON k.customer_id = w.customer_id
+                JOIN enrichq.ticket_orders AS s
+                  ON s.ticket_id = d.ticket_id AND s.order_id = u.order_id
+                WHERE w.order_id = u.order_id
+                  AND lower(k.email) = lower(d.requester_email)
+                  AND w.placed_at <= s.looked_up_at
+                ORDER BY w.placed_at
+                LIMIT 1
+            ) AS w ON true
+        ) AS o
+    ) AS v
 ),
 -- every differing ticket with its counts and its class (equal as sets after all: exact)
-classified AS (
+classified AS MATERIALIZED (
     SELECT ticket_id,
            tenant,
            created_at,
@@ -158,78 +193,145 @@ classified AS (
            legacy_orders,
            legacy_orders - cardinality(missing_ids) AS matched_orders,
            cardinality(missing_ids) AS missing_orders,
-           cardinality(shadow_only_ids) - cardinality(drift_ids) AS extra_orders,
+           cardinality(extra_ids) AS extra_orders,
            cardinality(drift_ids) AS drift_orders,
+           cardinality(unverified_ids) AS unverified_orders,
+           cardinality(missing_ids) + cardinality(shadow_only_ids) AS differing_orders,
            missing_ids,
-           shadow_only_ids,
+           extra_ids,
            drift_ids,
+           unverified_ids,
            CASE
                WHEN legacy_orders > 0 AND shadow_orders = 0 AND enriched_at IS NULL
                    THEN 'shadow_missing'
-               WHEN legacy_orders = 0 AND shadow_orders > 0 THEN 'legacy_missing'
                WHEN cardinality(missing_ids) > 0 THEN 'partial'
-               WHEN cardinality(shadow_only_ids) > cardinality(drift_ids) THEN 'extra_only'
+               WHEN cardinality(unverified_ids) > 0 THEN 'unverified'
+               WHEN legacy_orders = 0 AND shadow_orders > 0 THEN 'legacy_missing'
+               WHEN cardinality(extra_ids) > 0 THEN 'extra_only'
                WHEN cardinality(drift_ids) > 0 THEN 'drift_only'
                ELSE 'exact'
            END AS ticket_class
-    FROM drifted
+    FROM checked
+),
+-- the accept file's rules; a rule scoped by ticket ids lists them in rule_tickets
+rules AS (
+    SELECT r.rule, r.ticket_class, r.tenant, r.tickets, r.first_day, r.last_day
+    FROM jsonb_to_recordset(CAST(:rules AS jsonb)) AS r (
+        rule int, ticket_class text, tenant text, tickets text[], first_day date, last_day date
+    )
+),
+rule_tickets AS (
+    SELECT r.rule, u.ticket_id FROM rules AS r, unnest(r.tickets) AS u (ticket_id)
+),
+-- every (rule, ticket) an accept rule covers (a ticket may match several rules); the ids a
+-- rule lists are one hashed set, not a scan of the list per ticket
+matches AS MATERIALIZED (
+    SELECT r.rule, c.ticket_id
+    FROM classified AS c
+    JOIN rules AS r
+      ON r.ticket_class = c.ticket_class
+     AND (r.tenant IS NULL OR r.tenant = c.tenant)
+     AND (
+         r.first_day IS NULL
+         OR CAST(timezone('UTC', c.created_at) AS date) BETWEEN r.first_day AND r.last_day
+     )
+    WHERE r.tickets IS NULL
+       OR (r.rule, c.ticket_id) IN (SELECT rt.rule, rt.ticket_id FROM rule_tickets AS rt)
+),
+-- each differing ticket with the rules that accept it (NULL: none)
+marked AS MATERIALIZED (
+    SELECT c.*, a.accepted_by
+    FROM classified AS c
+    LEFT JOIN (
+        SELECT m.ticket_id, array_agg(m.rule ORDER BY m.rule) AS accepted_by
+        FROM matches AS m
+        GROUP BY m.ticket_id
+    ) AS a ON a.ticket_id = c.ticket_id
 )
-SELECT 'class' AS row_kind, tenant, 'exact' AS ticket_class, exact AS tickets,
+SELECT 'class' AS row_kind, tenant, 'exact' AS ticket_class, CAST(NULL AS int) AS rule,
+       exact AS tickets,
+       CAST(0 AS bigint) AS accepted,
        exact_orders AS legacy_orders,
        exact_orders AS matched_orders,
        CAST(0 AS bigint) AS missing_orders,
        CAST(0 AS bigint) AS extra_orders,
        CAST(0 AS bigint) AS drift_orders,
+       CAST(0 AS bigint) AS unverified_orders,
        CAST(NULL AS text) AS ticket_id,
        CAST(NULL AS timestamptz) AS created_at,
        CAST(NULL AS timestamptz) AS enriched_at,
        CAST(NULL AS timestamptz) AS legacy_looked_up_at,
        CAST(NULL AS text[]) AS missing_ids,
        CAST(NULL AS text[]) AS extra_ids,
-       CAST(NULL AS text[]) AS drift_ids
+       CAST(NULL AS text[]) AS drift_ids,
+       CAST(NULL AS text[]) AS unverified_ids,
+       CAST(NULL AS int[]) AS accepted_by,
+       CAST(NULL AS text[]) AS matched_ids
 FROM summary
 WHERE exact > 0
 UNION ALL
-SELECT 'excluded', tenant, 'too_young', too_young, 0, 0, 0, 0, 0,
-       NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT 'excluded', tenant, 'too_young', NULL, too_young, 0, 0, 0, 0, 0, 0, 0,
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 FROM summary
 WHERE too_young > 0
 UNION ALL
-SELECT 'excluded', tenant, 'open_queue_rows', open_queue_rows, 0, 0, 0, 0, 0,
-       NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT 'excluded', tenant, 'open_queue_rows', NULL, open_queue_rows, 0, 0, 0, 0, 0, 0, 0,
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 FROM summary
 WHERE open_queue_rows > 0
 UNION ALL
-SELECT 'class', tenant, ticket_class, count(*),
+SELECT 'class', tenant, ticket_class, NULL, count(*), count(accepted_by),
        sum(legacy_orders), sum(matched_orders), sum(missing_orders), sum(extra_orders),
-       sum(drift_orders), NULL, NULL, NULL, NULL, NULL, NULL, NULL
-FROM classified
+       sum(drift_orders), sum(unverified_orders),
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+FROM marked
 GROUP BY tenant, ticket_class
 UNION ALL
--- the sample: the first few tickets (by id) of each class other than exact
-SELECT 'sample', tenant, ticket_class, 1, legacy_orders, matched_orders, missing_orders,
-       extra_orders, drift_orders, ticket_id, created_at, enriched_at, legacy_looked_up_at,
-       ARRAY(SELECT x FROM unnest(missing_ids) AS x ORDER BY x),
-       ARRAY(SELECT x FROM unnest(shadow_only_ids) AS x WHERE x <> ALL (drift_ids) ORDER BY x),
-       ARRAY(SELECT x FROM unnest(drift_ids) AS x ORDER BY x)
+-- per rule: the tickets it matched, and the first few by id
+SELECT 'rule', '', NULL, m.rule, count(*), count(*), 0, 0, 0, 0, 0, 0,
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       (array_agg(m.ticket_id ORDER BY m.ticket_id))[1:CAST(:rule_sample AS int)]
+FROM matches AS m
+GROUP BY m.rule
+UNION ALL
+-- the sample: per class other than exact, the tickets with the most differing orders
+SELECT 'sample', tenant, ticket_class, NULL, 1, 0, legacy_orders, matched_orders,
+       missing_orders, extra_orders, drift_orders, unverified_orders, ticket_id, created_at,
+       enriched_at, legacy_looked_up_at, missing_ids, extra_ids, drift_ids, unverified_ids,
+       accepted_by, NULL
 FROM (
-    SELECT classified.*,
-           row_number() OVER (PARTITION BY ticket_class ORDER BY ticket_id) AS rank_in_class
-    FROM classified
+    SELECT marked.*,
+           row_number() OVER (
+               PARTITION BY ticket_class ORDER BY differing_orders DESC, ticket_id
+           ) AS rank_in_class
+    FROM marked
     WHERE ticket_class <> 'exact'
 ) AS ranked
 WHERE rank_in_class <= :sample_size
+UNION ALL
+-- the export: every ticket of a class other than exact (only when asked for)
+SELECT 'ticket', tenant, ticket_class, NULL, 1, 0, legacy_orders, matched_orders,
+       missing_orders, extra_orders, drift_orders, unverified_orders, ticket_id, created_at,
+       enriched_at, legacy_looked_up_at, missing_ids, extra_ids, drift_ids, unverified_ids,
+       accepted_by, NULL
+FROM marked
+WHERE ticket_class <> 'exact' AND CAST(:export AS boolean)
+ORDER BY row_kind, ticket_id
 
 -- name: parity_run_start
 -- Opens an enrichq.parity_runs row (finished_at NULL until the run ends); returns its id.
 INSERT INTO enrichq.parity_runs (
-    started_at, window_since, window_until, min_order_coverage, min_ticket_match_rate
+    started_at, window_since, window_until, min_order_coverage, min_ticket_match_rate,
+    max_shadow_fault_rate, accept_rules, accept_sha256
 ) VALUES (
     coalesce(CAST(:now AS timestamptz), now()),
     CAST(:since AS timestamptz),
     CAST(:until AS timestamptz),
     :min_order_coverage,
-    :min_ticket_match_rate
+    :min_ticket_match_rate,
+    :max_shadow_fault_rate,
+    :accept_rules,
+    :accept_sha256
 )
 RETURNING id, started_at
 
@@ -242,16 +344,21 @@ SET finished_at = coalesce(CAST(:now AS timestamptz), clock_timestamp()),
     exact_matches = :exact_matches,
     order_coverage = :order_coverage,
     ticket_match_rate = :ticket_match_rate,
+    shadow_faults = :shadow_faults,
+    shadow_fault_rate = :shadow_fault_rate,
+    legacy_faults = :legacy_faults,
+    accepted_legacy_faults = :accepted_legacy_faults,
     passed = :passed,
     report = CAST(:report AS jsonb)
 WHERE id = :id
 RETURNING finished_at
 
 -- name: parity_run_abandon
--- Leaves an errored parity run unfinished (never "the latest run") with the error kept.
+-- Leaves an errored parity run unfinished (never "the latest run") with the error kept; a
+-- run already finished keeps its report (the error came after it was recorded).
 UPDATE enrichq.parity_runs
 SET report = jsonb_build_object('error', CAST(:error AS text))
-WHERE id = :id
+WHERE id = :id AND finished_at IS NULL
 
 -- name: parity_latest
 -- The latest finished parity run: what the gauges show and what cutover is gated on.

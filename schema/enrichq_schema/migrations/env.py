@@ -12,9 +12,10 @@ config = context.config
 
 
 def _include_name(name: str | None, type_: str, parent_names: object) -> bool:
-    # Only our schema is ours to compare; the help desk, warehouse and legacy are not.
+    # Only our schemas are ours to compare; the help desk, warehouse and legacy are not.
+    # (The consumer view in PUBLIC_SCHEMA is a view: autogenerate compares tables only.)
     if type_ == "schema":
-        return name == SCHEMA
+        return name in (SCHEMA, PUBLIC_SCHEMA)
     return True
 
 

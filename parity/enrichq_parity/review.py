@@ -1,0 +1,414 @@
+"""The review of parity runs: a reviewer's approval, the list of runs, a stored run's report.
+
+A reviewer reads a finished run's report and signs it: ``enrichq parity approve RUN --by
+NAME``. Cutover needs a signature on the run it judges (`enrichq_parity.cutover`). Only a
+finished run that passed its bars can be signed; one that still has legacy faults without an
+accepted rule can be, but cutover refuses the tenants those faults belong to.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+
+from enrichq_parity.model import Approval, ParityReport, Tally, Thresholds, Verdict, decide, pct
+from enrichq_schema.errors import EnrichqError
+from enrichq_schema.queries import Queries, load
+from enrichq_schema.tables import APPROVAL_NOTE_MAX_LENGTH, APPROVER_MAX_LENGTH
+
+if TYPE_CHECKING:
+    from enrichq_service.settings import Settings
+
+EXIT_OK = 0
+EXIT_REFUSED = 1
+EXIT_BAD_INPUT = 2
+RUNS_LIMIT_DEFAULT = 20
+
+
+class ReviewInputError(EnrichqError):
+    """The review command's input is wrong (an unknown run, a bad name)."""
+
+
+class ApprovalRefused(EnrichqError):
+    """This run cannot be approved."""
+
+
+def _queries() -> Queries:
+    return load("enrichq_parity", "sql/review.sql")
+
+
+def verdict_of(
+    total: Mapping[str, Any] | None,
+    *,
+    min_order_coverage: float,
+    max_shadow_fault_rate: float | None,
+    min_ticket_match_rate: float,
+) -> Verdict | None:
+    """A stored run's verdict, decided again from its counts; None for a run recorded before
+    verdicts by fault (it has no shadow fault bar)."""
+    if max_shadow_fault_rate is None or total is None:
+        return None
+    thresholds = Thresholds(min_order_coverage, max_shadow_fault_rate, min_ticket_match_rate)
+    return decide(Tally.from_dict(total), thresholds)
+
+
+def check_name(value: str, option: str) -> str:
+    """A reviewer's or actor's name: 1 to APPROVER_MAX_LENGTH printable characters."""
+    name = value.strip()
+    if not name or len(name) > APPROVER_MAX_LENGTH or not name.isprintable():
+        raise ReviewInputError(f"{option} must be 1 to {APPROVER_MAX_LENGTH} printable characters")
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class Approved:
+    """What an approval did (changed=False: this reviewer had approved the run already)."""
+
+    approval: Approval
+    changed: bool
+    notes: tuple[str, ...]
+
+
+def approve(
+    conn: sa.Connection,
+    run_id: int,
+    *,
+    by: str,
+    note: str | None,
+    now: datetime | None = None,
+) -> Approved:
+    """Record `by`'s approval of run `run_id`; the caller commits.
+
+    ReviewInputError: no such run. ApprovalRefused: it did not finish, or did not pass.
+    """
+    q = _queries()
+    who = check_name(by, "--by")
+    text = None if note is None else note.strip() or None
+    if text is not None and (len(text) > APPROVAL_NOTE_MAX_LENGTH or not _printable(text)):
+        raise ReviewInputError(
+            f"--note must be at most {APPROVAL_NOTE_MAX_LENGTH} printable characters"
+        )
+    run = conn.execute(q("review_run_for_approval"), {"id": run_id}).first()
+    if run is None:
+        raise ReviewInputError(f"there is no parity run #{run_id}")
+    if run.finished_at is None:
+        why = f" (it failed: {run.error})" if run.error else " (it is still running)"
+        raise ApprovalRefused(f"parity run #{run_id} did not finish{why}: nothing to approve")
+    verdict = verdict_of(
+        run.total,
+        min_order_coverage=run.min_order_coverage,
+        max_shadow_fault_rate=run.max_shadow_fault_rate,
+        min_ticket_match_rate=run.min_ticket_match_rate,
+    )
+    if verdict is None:
+        raise ApprovalRefused(
+            f"parity run #{run_id} was recorded before verdicts by fault: run `enrichq parity` "
+            "again and approve that run"
+        )
+    if not verdict.passed:
+        raise ApprovalRefused(
+            f"parity run #{run_id} did not pass ({verdict.reason}): a failing run cannot be "
+            "approved"
+        )
+    inserted = conn.execute(
+        q("review_approve"), {"run_id": run_id, "approved_by": who, "note": text, "now": now}
+    ).first()
+    notes: list[str] = []
+    if not verdict.ready:
+        unaccepted = Tally.from_dict(run.total).unaccepted_legacy_faults
+        notes.append(
+            f"{unaccepted:,} legacy-fault tickets of this run have no accepted rule: cutover "
+            "refuses the tenants they belong to"
+        )
+    latest = conn.execute(q("review_latest_finished")).scalar_one_or_none()
+    if latest is not None and latest != run_id:
+        notes.append(f"cutover judges the latest finished run, #{latest}, not this one")
+    if inserted is None:
+        existing = next(a for a in approvals_of(conn, [run_id])[run_id] if a.approved_by == who)
+        return Approved(existing, False, tuple(notes))
+    return Approved(Approval(run_id, who, inserted.approved_at, text), True, tuple(notes))
+
+
+def approvals_of(conn: sa.Connection, run_ids: Iterable[int]) -> dict[int, tuple[Approval, ...]]:
+    """The approvals of each run, oldest first (a run without one maps to ())."""
+    ids = sorted(set(run_ids))
+    out: dict[int, list[Approval]] = {i: [] for i in ids}
+    for row in conn.execute(_queries()("review_approvals"), {"run_ids": ids}):
+        out[row.parity_run_id].append(
+            Approval(row.parity_run_id, row.approved_by, row.approved_at, row.note)
+        )
+    return {i: tuple(a) for i, a in out.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class RunRow:
+    """One recorded run as `enrichq parity runs` lists it."""
+
+    id: int
+    started_at: datetime
+    finished_at: datetime | None
+    window_since: datetime
+    window_until: datetime
+    state: str
+    reason: str
+    tickets_compared: int
+    order_coverage: float | None
+    shadow_fault_rate: float | None
+    legacy_faults: int
+    accepted_legacy_faults: int
+    accept_rules: int
+    unused_rules: int
+    accept_sha256: str | None
+    approvals: tuple[Approval, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON shape."""
+        return {
+            "id": self.id,
+            "started_at": self.started_at.isoformat(),
+            "finished_at": None if self.finished_at is None else self.finished_at.isoformat(),
+            "window": {
+                "since": self.window_since.isoformat(),
+                "until": self.window_until.isoformat(),
+            },
+            "state": self.state,
+            "verdict": self.reason,
+            "tickets_compared": self.tickets_compared,
+            "order_coverage": self.order_coverage,
+            "shadow_fault_rate": self.shadow_fault_rate,
+            "legacy_faults": self.legacy_faults,
+            "accepted_legacy_faults": self.accepted_legacy_faults,
+            "accept_rules": self.accept_rules,
+            "unused_rules": self.unused_rules,
+            "accept_sha256": self.accept_sha256,
+            "approvals": [a.as_dict() for a in self.approvals],
+        }
+
+
+def list_runs(conn: sa.Connection, limit: int = RUNS_LIMIT_DEFAULT) -> list[RunRow]:
+    """The `limit` most recent runs, newest first, with their verdicts and approvals."""
+    rows = conn.execute(_queries()("review_runs"), {"limit": limit}).all()
+    approvals = approvals_of(conn, [r.id for r in rows])
+    out = []
+    for r in rows:
+        verdict = verdict_of(
+            r.total,
+            min_order_coverage=r.min_order_coverage,
+            max_shadow_fault_rate=r.max_shadow_fault_rate,
+            min_ticket_match_rate=r.min_ticket_match_rate,
+        )
+        if r.finished_at is None:
+            state, reason = ("error", r.error) if r.error else ("running", "not finished")
+        elif verdict is None:
+            state, reason = "old", "recorded before verdicts by fault"
+        else:
+            state, reason = verdict.state, verdict.reason
+        out.append(
+            RunRow(
+                id=r.id,
+                started_at=r.started_at,
+                finished_at=r.finished_at,
+                window_since=r.window_since,
+                window_until=r.window_until,
+                state=state,
+                reason=reason,
+                tickets_compared=r.tickets_compared,
+                order_coverage=r.order_coverage,
+                shadow_fault_rate=r.shadow_fault_rate,
+                legacy_faults=r.legacy_faults,
+                accepted_legacy_faults=r.accepted_legacy_faults,
+                accept_rules=r.accept_rules,
+                unused_rules=int(r.unused_rules),
+                accept_sha256=r.accept_sha256,
+                approvals=approvals[r.id],
+            )
+        )
+    return out
+
+
+def load_report(conn: sa.Connection, run_id: int) -> tuple[ParityReport, tuple[Approval, ...]]:
+    """A finished run's stored report and its approvals (ReviewInputError: no such report)."""
+    row = conn.execute(_queries()("review_report"), {"id": run_id}).first()
+    if row is None:
+        raise ReviewInputError(f"there is no parity run #{run_id}")
+    if row.finished_at is None:
+        raise ReviewInputError(f"parity run #{run_id} did not finish: it has no report")
+    try:
+        report = ParityReport.from_dict(row.report)
+    except (KeyError, TypeError, ValueError):
+        raise ReviewInputError(
+            f"parity run #{run_id} was recorded before verdicts by fault: its report cannot be "
+            "shown again (run `enrichq parity`)"
+        ) from None
+    return report, approvals_of(conn, [run_id])[run_id]
+
+
+def _printable(text: str) -> bool:
+    return text.replace("\n", " ").replace("\t", " ").isprintable()
+
+
+def _engine(settings: Settings, url: str) -> sa.Engine:
+    from enrichq_schema.db import create_engine
+
+    return create_engine(
+        url,
+        application_name="enrichq-parity",
+        pool_size=1,
+        statement_timeout_seconds=settings.statement_timeout_seconds,
+    )
+
+
+def approve_cli(settings: Settings, url: str, *, run_id: int, by: str, note: str | None) -> int:
+    """`enrichq parity approve RUN --by NAME`: 0 approved, 1 refused, 2 unknown run/bad name."""
+    engine = _engine(settings, url)
+    try:
+        with engine.begin() as conn:
+            done = approve(conn, run_id, by=by, note=note)
+    except ReviewInputError as exc:
+        print(f"enrichq: parity approve: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except ApprovalRefused as exc:
+        print(f"enrichq: parity approve refused: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    finally:
+        engine.dispose()
+    a = done.approval
+    if done.changed:
+        print(
+            f"approved parity run #{run_id} by {a.approved_by}"
+            f" at {a.approved_at:%Y-%m-%d %H:%M} UTC"
+        )
+    else:
+        print(
+            f"parity run #{run_id} was already approved by {a.approved_by} at "
+            f"{a.approved_at:%Y-%m-%d %H:%M} UTC; nothing changed"
+        )
+    for line in done.notes:
+        print(f"note: {line}")
+    return EXIT_OK
+
+
+def runs_cli(settings: Settings, url: str, *, limit: int, as_json: bool) -> int:
+    """`enrichq parity runs`: the recent runs with verdict, accepted rules and approvals."""
+    engine = _engine(settings, url)
+    try:
+        with engine.connect() as conn:
+            rows = list_runs(conn, limit)
+    finally:
+        engine.dispose()
+    if as_json:
+        for row in rows:
+            print(json.dumps(row.as_dict()))
+        return EXIT_OK
+    _print_runs(rows)
+    return EXIT_OK
+
+
+def show_cli(
+    settings: Settings,
+    url: str,
+    *,
+    run_id: int,
+    json_path: Path | None,
+    html_path: Path | None,
+) -> int:
+    """`enrichq parity show RUN`: a stored run's summary, and its reports with its approvals."""
+    from rich.console import Console
+
+    from enrichq_parity import report as render
+    from enrichq_parity.parity import print_summary, unwritable
+
+    for option, path in (("--json", json_path), ("--html", html_path)):
+        problem = unwritable(path)
+        if problem:
+            print(f"enrichq: parity show: {option} {path}: {problem}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+    engine = _engine(settings, url)
+    try:
+        with engine.connect() as conn:
+            report, approvals = load_report(conn, run_id)
+    except ReviewInputError as exc:
+        print(f"enrichq: parity show: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    finally:
+        engine.dispose()
+    if json_path is not None:
+        json_path.write_text(render.to_json(report, approvals), encoding="utf-8")
+    if html_path is not None:
+        html_path.write_text(render.to_html(report, approvals), encoding="utf-8")
+    console = Console()
+    print_summary(console, report)
+    for a in approvals:
+        console.print(
+            f"approved by {a.approved_by} at {a.approved_at:%Y-%m-%d %H:%M} UTC"
+            + (f": {a.note}" if a.note else ""),
+            highlight=False,
+            markup=False,
+        )
+    if not approvals:
+        console.print("not approved", highlight=False, markup=False)
+    for label, path in (("json", json_path), ("html", html_path)):
+        if path is not None:
+            console.print(f"{label}: {path}", highlight=False, markup=False)
+    return EXIT_OK
+
+
+def _print_runs(rows: Sequence[RunRow]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=140)  # a pipe or a file: no terminal to fit
+    if not rows:
+        console.print("no parity runs recorded yet: run `enrichq parity`", highlight=False)
+        return
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for name, justify in (
+        ("run", "right"),
+        ("finished (UTC)", "left"),
+        ("window", "left"),
+        ("verdict", "left"),
+        ("coverage", "right"),
+        ("shadow faults", "right"),
+        ("legacy faults", "right"),
+        ("rules", "left"),
+        ("approved by", "left"),
+    ):
+        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for r in rows:
+        rules = "—" if r.accept_rules == 0 else f"{r.accept_rules}"
+        if r.unused_rules:
+            rules += f" ({r.unused_rules} matched nothing)"
+        table.add_row(
+            f"#{r.id}",
+            "—" if r.finished_at is None else f"{r.finished_at:%Y-%m-%d %H:%M}",
+            f"{r.window_since:%m-%d} → {r.window_until:%m-%d}",
+            _STATE_WORDS.get(r.state, r.state),
+            pct(r.order_coverage),
+            pct(r.shadow_fault_rate),
+            f"{r.accepted_legacy_faults:,}/{r.legacy_faults:,} accepted"
+            if r.legacy_faults
+            else "0",
+            rules,
+            ", ".join(a.approved_by for a in r.approvals) or "—",
+        )
+    console.print(table)
+
+
+_STATE_WORDS = {
+    "pass": "[green]pass[/]",
+    "review": "[green]pass[/], [yellow]legacy faults to accept[/]",
+    "fail": "[red]fail[/]",
+    "empty": "[red]nothing to judge[/]",
+    "error": "[red]error[/]",
+    "running": "running",
+    "old": "[dim]before verdicts by fault[/]",
+}
