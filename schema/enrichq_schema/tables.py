@@ -224,6 +224,8 @@ lookup_log = sa.Table(
     metadata,
     sa.Column("id", sa.BigInteger, sa.Identity(always=True), primary_key=True),
     sa.Column("queue_id", sa.BigInteger, nullable=False),
+    # The claim the lookup belongs to: one row per claim, however often its settle runs.
+    sa.Column("claim_token", pg.UUID(as_uuid=True)),
     sa.Column("ticket_id", sa.Text, nullable=False),
     sa.Column("attempt", sa.Integer, nullable=False),
     # Warehouse job ids are opaque text (BigQuery's are not UUIDs).
@@ -238,8 +240,24 @@ lookup_log = sa.Table(
     sa.CheckConstraint(_one_of("status", LOOKUP_STATUSES), name="status_known"),
     sa.CheckConstraint("bytes_billed >= 0", name="bytes_billed_non_negative"),
     sa.Index("lookup_log_ticket_id_idx", "ticket_id"),
+    sa.Index("lookup_log_claim_key", "queue_id", "claim_token", unique=True),
     # Retention deletes the oldest rows first, a page at a time.
     sa.Index("lookup_log_created_at_idx", "created_at"),
+)
+
+# Warehouse lookups running now, fleet-wide: each one's slot under
+# ENRICHQ_WAREHOUSE_MAX_CONCURRENCY and the bytes it reserved against the daily budget, from
+# its admission to the settle that charges it. A row whose owner stopped heartbeating
+# expires one lease later (admissions count only live rows); retention deletes those.
+lookups_in_flight = sa.Table(
+    "lookups_in_flight",
+    metadata,
+    sa.Column("token", pg.UUID(as_uuid=True), primary_key=True),
+    sa.Column("owner", sa.Text, nullable=False),
+    sa.Column("reserved_bytes", sa.BigInteger, nullable=False),
+    sa.Column("started_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
+    sa.CheckConstraint("reserved_bytes >= 0", name="reserved_bytes_non_negative"),
 )
 
 budget_ledger = sa.Table(

@@ -10,6 +10,7 @@ its approval, the cutover of one tenant and the cutover status.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import threading
@@ -81,8 +82,7 @@ def run_demo(  # noqa: PLR0915 -- the demo is one story, told in order
 
     from enrichq_service import seed
     from enrichq_service.http import create_app, start_server_thread
-    from enrichq_service.observe import register_queue_collector, set_build_info
-    from enrichq_service.worker import Worker, build_engines, stop_on_signals
+    from enrichq_service.worker import stop_on_signals, worker_process
     from enrichq_sweeper import recovery, refresh, retention
 
     console = Console()
@@ -102,7 +102,8 @@ def run_demo(  # noqa: PLR0915 -- the demo is one story, told in order
             "parity_grace_seconds": 60.0,
         }
     )
-    engines = build_engines(demo, demo_url)
+    wiring = contextlib.ExitStack()
+    worker, engines = wiring.enter_context(worker_process(demo, demo_url))
     engine = engines.queue
     with engine.begin() as conn:
         world = seed.seed_world(conn, tickets=tickets)
@@ -115,11 +116,9 @@ def run_demo(  # noqa: PLR0915 -- the demo is one story, told in order
         f"partially, and missed {world.late_orders} orders placed after its lookup"
     )
 
-    set_build_info(settings.mode.value)
-    register_queue_collector(engine)
-    worker = Worker(demo, engine, warehouse=engines.warehouse, claims=engines.claims)
     port = settings.http_port if _port_free(settings.http_port) else 0
-    server = start_server_thread(create_app(demo, engine), host="127.0.0.1", port=port)
+    app = create_app(demo, engine, health=worker.health)
+    server = start_server_thread(app, host="127.0.0.1", port=port)
     runner = threading.Thread(target=worker.run, name="enrichq-demo-worker", daemon=True)
     runner.start()
     try:
@@ -186,7 +185,7 @@ def run_demo(  # noqa: PLR0915 -- the demo is one story, told in order
         worker.stop.set()
         runner.join(timeout=30)
         server.stop()
-        engines.dispose()
+        wiring.close()
     return 0
 
 

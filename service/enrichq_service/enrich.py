@@ -1,30 +1,48 @@
 """Enrichment (DESIGN §4): read the ticket, look its customer up, write what was found.
 
-The enrichment itself is a plug-in: ``ENRICHQ_ENRICHER=package.module:function`` names a
-callable ``(ticket, context) -> Enrichment``. It raises ``TransientError`` (retry),
-``PermanentError`` (fail) or ``Deferral`` (defer until a time); anything else counts as
-transient. The built-in one, ``warehouse_lookup``, queries any SQLAlchemy warehouse.
+The enrichment is a plug-in, in one of two forms:
+
+- per ticket, ``ENRICHQ_ENRICHER=package.module:function``: ``(ticket, context) ->
+  Enrichment``;
+- per batch, ``ENRICHQ_BATCH_ENRICHER=package.module:function``: ``(tickets, context) ->
+  Mapping[ticket id, Enrichment | Exception]``, called once for up to
+  ``ENRICHQ_LOOKUP_BATCH_SIZE`` tickets of one claim. A ticket missing from the mapping is
+  a transient error; an exception value is that ticket's outcome.
+
+Either raises ``TransientError`` (retry), ``PermanentError`` (fail) or ``Deferral`` (defer
+until a time); anything else counts as transient. A plug-in's result is checked where it
+enters (`validate`): a result of the wrong shape, a NUL byte, an over-long id or a total
+that is not a number fails that job alone, with the field named, before anything reaches
+the database. The built-in enrichment, `warehouse_lookup_batch` (the default), runs one
+warehouse query for a whole batch through SQLAlchemy's expanding bind parameters, so the
+same statement runs on every dialect; `warehouse_lookup` is its per-ticket form.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from datetime import datetime
-from decimal import Decimal
+from datetime import UTC, datetime
+from decimal import Decimal, InvalidOperation
 from functools import cache
 from typing import Any, Protocol
+from uuid import UUID
 
 import sqlalchemy as sa
 
 from enrichq_schema.queries import load
-from enrichq_service.errors import PermanentError, SettingsError
-from enrichq_service.settings import Settings
+from enrichq_schema.text import printable
+from enrichq_service.errors import PermanentError, SettingsError, TransientError
+from enrichq_service.settings import BUILTIN_BATCH_ENRICHER, Settings
 
 SQL = load("enrichq_service", "sql/enrich.sql")
+ID_MAX_LENGTH = 1000  # order, customer and warehouse job ids
+BYTES_MAX = 2**63 - 1  # bytes billed is a bigint
+ERROR_MAX_LENGTH = 4000
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +63,7 @@ class Order:
     order_id: str
     customer_id: str | None = None
     placed_at: datetime | None = None
-    total: Decimal | None = None
+    total: Decimal | float | None = None  # `validate` makes it a Decimal
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,56 +74,199 @@ class Enrichment:
     job_id: str | None = None
     bytes_billed: int = 0
 
-    def __post_init__(self) -> None:
-        if self.bytes_billed < 0:
-            raise PermanentError("enricher returned negative bytes_billed")
+
+Interrupt = Callable[[Callable[[], None]], AbstractContextManager[None]]
+
+
+def _no_interrupt(cancel: Callable[[], None]) -> AbstractContextManager[None]:
+    return nullcontext()
 
 
 @dataclass(frozen=True, slots=True)
 class EnrichContext:
-    """What an enricher may use: settings, the warehouse, and a flag to stop early."""
+    """What an enricher may use: settings, the warehouse, and ways to stop early.
+
+    `cancelled` is set when the attempt is abandoned (its deadline passed) or its lease was
+    lost; `deadline` is that moment (time.monotonic()); `interruptible(cancel)` is a context
+    manager during which abandoning or losing the attempt calls `cancel` (the built-in
+    lookup cancels its running warehouse query with it).
+    """
 
     settings: Settings
     warehouse: sa.Engine
     cancelled: threading.Event = field(default_factory=threading.Event)
-    deadline: float | None = None  # time.monotonic() after which the attempt is abandoned
+    deadline: float | None = None
+    interruptible: Interrupt = _no_interrupt
+
+    def remaining_seconds(self) -> float | None:
+        """Seconds left before the attempt's deadline (None: no deadline)."""
+        import time
+
+        return None if self.deadline is None else self.deadline - time.monotonic()
 
 
 class Enricher(Protocol):
+    """A per-ticket enrichment plug-in."""
+
     def __call__(self, ticket: Ticket, context: EnrichContext, /) -> Enrichment: ...
 
 
-@cache
-def load_enricher(path: str) -> Enricher:
-    """Import ``package.module:function``; a bad path is a SettingsError naming it."""
+class BatchEnricher(Protocol):
+    """A batch enrichment plug-in: a result or an exception per ticket id."""
+
+    def __call__(
+        self, tickets: Sequence[Ticket], context: EnrichContext, /
+    ) -> Mapping[str, Enrichment | BaseException]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EnricherChoice:
+    """Which plug-in a process runs: a per-ticket or a batch enricher."""
+
+    per_ticket: Enricher | None
+    batch: BatchEnricher | None
+    batch_size: int
+
+    @property
+    def unit_size(self) -> int:
+        """Jobs one call enriches: the batch size, or 1 for a per-ticket enricher."""
+        return self.batch_size if self.batch is not None else 1
+
+
+def choose(settings: Settings) -> EnricherChoice:
+    """The enricher the settings name (the built-in batch lookup unless told otherwise)."""
+    if settings.enricher is not None:
+        return EnricherChoice(load_enricher(settings.enricher), None, 1)
+    path = settings.batch_enricher or BUILTIN_BATCH_ENRICHER
+    return EnricherChoice(None, load_batch_enricher(path), settings.lookup_batch_size)
+
+
+def _load(path: str, setting: str) -> Any:
     module_name, _, attr = path.partition(":")
     try:
         module = importlib.import_module(module_name)
         target = getattr(module, attr)
     except (ImportError, AttributeError) as exc:
-        message = f"invalid setting ENRICHQ_ENRICHER: cannot import {path} ({exc})"
-        raise SettingsError(message) from None
+        raise SettingsError(f"invalid setting {setting}: cannot import {path} ({exc})") from None
     if not callable(target):
-        raise SettingsError(f"invalid setting ENRICHQ_ENRICHER: {path} is not callable")
-    return target  # type: ignore[no-any-return]
+        raise SettingsError(f"invalid setting {setting}: {path} is not callable")
+    return target
 
 
-def _quoted(engine_or_conn: sa.Engine | sa.Connection, qualified: str) -> str:
-    preparer = engine_or_conn.dialect.identifier_preparer
+@cache
+def load_enricher(path: str) -> Enricher:
+    """Import ``package.module:function``; a bad path is a SettingsError naming it."""
+    enricher: Enricher = _load(path, "ENRICHQ_ENRICHER")
+    return enricher
+
+
+@cache
+def load_batch_enricher(path: str) -> BatchEnricher:
+    """Import ``package.module:function``; a bad path is a SettingsError naming it."""
+    enricher: BatchEnricher = _load(path, "ENRICHQ_BATCH_ENRICHER")
+    return enricher
+
+
+# -- checking what a plug-in returns, where it enters
+
+
+class InvalidResult(PermanentError):
+    """An enricher returned a result enrichq cannot store; the message names the field."""
+
+
+def validate(result: object) -> Enrichment:
+    """`result` as a storable Enrichment (a total as Decimal, a naive time as UTC), or
+    InvalidResult naming the first field that is wrong."""
+    if not isinstance(result, Enrichment):
+        raise InvalidResult(f"expected an Enrichment, got {type(result).__name__}")
+    orders = result.orders
+    if isinstance(orders, str | bytes) or not isinstance(orders, Sequence):
+        raise InvalidResult(f"orders: expected a sequence of Order, got {type(orders).__name__}")
+    checked = tuple(_order(o, f"orders[{i}]") for i, o in enumerate(orders))
+    job_id = _text(result.job_id, "job_id", required=False)
+    billed = result.bytes_billed
+    if isinstance(billed, bool) or not isinstance(billed, int) or not 0 <= billed <= BYTES_MAX:
+        raise InvalidResult(f"bytes_billed: expected an integer from 0 to 2^63-1, got {billed!r}")
+    return Enrichment(checked, job_id=job_id, bytes_billed=billed)
+
+
+def _order(order: object, where: str) -> Order:
+    if not isinstance(order, Order):
+        raise InvalidResult(f"{where}: expected an Order, got {type(order).__name__}")
+    order_id = _text(order.order_id, f"{where}.order_id", required=True)
+    assert order_id is not None
+    return Order(
+        order_id,
+        _text(order.customer_id, f"{where}.customer_id", required=False),
+        _time(order.placed_at, f"{where}.placed_at"),
+        _number(order.total, f"{where}.total"),
+    )
+
+
+def _text(value: object, where: str, *, required: bool) -> str | None:
+    if value is None and not required:
+        return None
+    if not isinstance(value, str):
+        raise InvalidResult(f"{where}: expected text, got {type(value).__name__}")
+    if not value or len(value) > ID_MAX_LENGTH:
+        raise InvalidResult(f"{where}: must be 1 to {ID_MAX_LENGTH} characters")
+    if "\x00" in value:
+        raise InvalidResult(f"{where}: contains a NUL byte")
+    return value
+
+
+def _time(value: object, where: str) -> datetime | None:
+    if value is None:
+        return None
+    if not isinstance(value, datetime):
+        raise InvalidResult(f"{where}: expected a datetime, got {type(value).__name__}")
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+def _number(value: object, where: str) -> Decimal | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, Decimal | int | float):
+        raise InvalidResult(f"{where}: expected a number, got {type(value).__name__}")
+    try:
+        number = value if isinstance(value, Decimal) else Decimal(str(value))
+    except InvalidOperation:
+        raise InvalidResult(f"{where}: not a number") from None
+    if not number.is_finite() or (isinstance(value, float) and not math.isfinite(value)):
+        raise InvalidResult(f"{where}: must be a finite number")
+    return number
+
+
+def error_text(exc: BaseException) -> str:
+    """An error as one storable, printable line: its type and first line, bounded, with no
+    NUL or control characters left (they reach the row's last_error, logs and terminals)."""
+    text = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    line = f"{type(exc).__name__}: {text[0] if text else ''}"
+    return printable(line)[:ERROR_MAX_LENGTH]
+
+
+# -- the mirror and the built-in warehouse lookup
+
+
+def _quoted(dialect: sa.Dialect, qualified: str) -> str:
+    preparer = dialect.identifier_preparer
     return ".".join(preparer.quote(part) for part in qualified.split("."))
 
 
 @cache
-def _statement(name: str, **tables: str) -> sa.TextClause:
+def _statement(name: str, expanding: tuple[str, ...] = (), **tables: str) -> sa.TextClause:
     # Only validated, quoted identifiers are substituted; values are always bound.
-    return sa.text(SQL[name].sql.format(**tables))
+    clause = sa.text(SQL[name].sql.format(**tables))
+    if expanding:
+        clause = clause.bindparams(*(sa.bindparam(n, expanding=True) for n in expanding))
+    return clause
 
 
 def read_tickets(conn: sa.Connection, settings: Settings, ids: Sequence[str]) -> dict[str, Ticket]:
     """The mirrored tickets among `ids`, by id."""
     if not ids:
         return {}
-    stmt = _statement("enrich_read_tickets", tickets=_quoted(conn, settings.tickets_table))
+    stmt = _statement("enrich_read_tickets", tickets=_quoted(conn.dialect, settings.tickets_table))
     return {
         r.id: Ticket(r.id, r.requester_email, r.tenant, r.created_at, r.updated_at)
         for r in conn.execute(stmt, {"ids": list(ids)})
@@ -113,20 +274,85 @@ def read_tickets(conn: sa.Connection, settings: Settings, ids: Sequence[str]) ->
 
 
 def warehouse_lookup(ticket: Ticket, context: EnrichContext) -> Enrichment:
-    """The built-in enricher: the requester's orders in the configured warehouse tables."""
-    if not ticket.requester_email:
-        return Enrichment(())
-    settings = context.settings
-    stmt = _statement(
-        "enrich_warehouse_orders",
-        customers=_quoted(context.warehouse, settings.customers_table),
-        orders=_quoted(context.warehouse, settings.orders_table),
-    )
-    with context.warehouse.connect() as conn:
-        result = conn.execute(stmt, {"email": ticket.requester_email})
-        orders = tuple(Order(str(r.order_id), r.customer_id, r.placed_at, r.total) for r in result)
-        job_id, billed = _warehouse_job(result)
-    return Enrichment(orders, job_id=job_id, bytes_billed=billed)
+    """The built-in enricher, per ticket: the requester's orders in the warehouse."""
+    outcome = warehouse_lookup_batch([ticket], context)[ticket.id]
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
+
+
+def warehouse_lookup_batch(
+    tickets: Sequence[Ticket], context: EnrichContext
+) -> Mapping[str, Enrichment | BaseException]:
+    """The built-in enricher: one warehouse query for the orders of every ticket's
+    requester (by e-mail, case-insensitively), bytes billed shared out by `split_bytes`.
+
+    On PostgreSQL the query runs under a statement timeout of the attempt's remaining time,
+    and is cancelled when the attempt is abandoned or its lease lost. A row the query
+    returns with a bad value (a NULL order id, say) fails its ticket alone, in `validate`.
+    """
+    emails = sorted({t.requester_email.lower() for t in tickets if t.requester_email})
+    found: dict[str, list[Order]] = {e: [] for e in emails}
+    job_id, billed = None, 0
+    if emails:
+        settings = context.settings
+        dialect = context.warehouse.dialect
+        stmt = _statement(
+            "enrich_warehouse_orders_batch",
+            ("emails",),
+            customers=_quoted(dialect, settings.customers_table),
+            orders=_quoted(dialect, settings.orders_table),
+        )
+        with (
+            context.warehouse.connect() as conn,
+            conn.begin(),
+            _statement_timeout(conn, context),
+            context.interruptible(_canceller(conn)),
+        ):
+            result = conn.execute(stmt, {"emails": emails})
+            for r in result:
+                found[str(r.email)].append(Order(r.order_id, r.customer_id, r.placed_at, r.total))
+            job_id, billed = _warehouse_job(result)
+    shares = split_bytes(billed, len(tickets))
+    out: dict[str, Enrichment | BaseException] = {}
+    for ticket, share in zip(tickets, shares, strict=True):
+        orders = found.get(ticket.requester_email.lower(), []) if ticket.requester_email else []
+        out[ticket.id] = Enrichment(tuple(orders), job_id=job_id, bytes_billed=share)
+    return out
+
+
+def split_bytes(billed: int, tickets: int) -> list[int]:
+    """A batch's bytes billed shared out among its tickets: equal shares, the remainder a
+    byte each to the first tickets, so the shares add up to exactly what was billed."""
+    if tickets <= 0:
+        return []
+    share, rest = divmod(billed, tickets)
+    return [share + (1 if i < rest else 0) for i in range(tickets)]
+
+
+@contextmanager
+def _statement_timeout(conn: sa.Connection, context: EnrichContext) -> Iterator[None]:
+    """On PostgreSQL, limit the transaction's statements to the attempt's remaining time."""
+    remaining = context.remaining_seconds()
+    if remaining is not None and conn.dialect.name == "postgresql":
+        if remaining <= 0:
+            raise TransientError("the attempt's deadline passed before the lookup started")
+        conn.execute(
+            SQL("enrich_statement_timeout"), {"timeout_ms": str(max(1, int(remaining * 1000)))}
+        )
+    yield
+
+
+def _canceller(conn: sa.Connection) -> Callable[[], None]:
+    """Cancels the statement running on `conn`, from another thread (psycopg's cancel)."""
+    raw = conn.connection.dbapi_connection
+
+    def cancel() -> None:
+        method = getattr(raw, "cancel_safe", None) or getattr(raw, "cancel", None)
+        if method is not None:
+            method()
+
+    return cancel
 
 
 def _warehouse_job(result: sa.CursorResult[Any]) -> tuple[str | None, int]:
@@ -147,9 +373,11 @@ def _warehouse_job(result: sa.CursorResult[Any]) -> tuple[str | None, int]:
 
 @dataclass(frozen=True, slots=True)
 class Lookup:
-    """One warehouse lookup as the lookup log records it."""
+    """One ticket's share of a warehouse lookup, as the lookup log records it: once per
+    claim (queue id and claim token), however often its settle runs."""
 
     queue_id: int
+    claim_token: UUID
     ticket_id: str
     attempt: int
     job_id: str | None
@@ -157,33 +385,40 @@ class Lookup:
     rows: int
     duration_ms: float
     status: str
+    looked_up_at: datetime | None
     error: str | None = None
+    admission: UUID | None = None  # the fleet-wide reservation to release (budget, cap)
 
 
-def write_results(
-    conn: sa.Connection,
-    results: Mapping[int, tuple[str, Enrichment]],
-    *,
-    looked_up_at: datetime | None = None,
-) -> None:
-    """Replace the rows of each ticket with its new orders (queue id → (ticket, result)).
+@dataclass(frozen=True, slots=True)
+class Result:
+    """A completed job's orders, written if its settle wins."""
 
-    `looked_up_at` None is the database clock. Writes of one ticket by concurrent
-    transactions are serialized on its enrichment row: the later one replaces, never merges.
+    queue_id: int
+    ticket_id: str
+    enrichment: Enrichment
+    looked_up_at: datetime | None  # None: the database clock now
+
+
+def write_results(conn: sa.Connection, results: Sequence[Result]) -> None:
+    """Replace the rows of each ticket with its new orders.
+
+    Writes of one ticket by concurrent transactions are serialized on its enrichment row:
+    the later one replaces, never merges.
     """
     if not results:
         return
-    latest: dict[str, tuple[int, Enrichment]] = {}
-    for queue_id, (ticket_id, enrichment) in sorted(results.items()):
-        latest[ticket_id] = (queue_id, enrichment)
+    latest: dict[str, Result] = {}
+    for result in sorted(results, key=lambda r: r.queue_id):
+        latest[result.ticket_id] = result
     tickets = sorted(latest)
     conn.execute(
         SQL("enrich_upsert_enrichments"),
         {
             "tickets": tickets,
-            "enriched_ats": [looked_up_at] * len(tickets),
-            "order_counts": [len(latest[t][1].orders) for t in tickets],
-            "queue_ids": [latest[t][0] for t in tickets],
+            "enriched_ats": [latest[t].looked_up_at for t in tickets],
+            "order_counts": [len(latest[t].enrichment.orders) for t in tickets],
+            "queue_ids": [latest[t].queue_id for t in tickets],
         },
     )
     conn.execute(SQL("enrich_delete_ticket_orders"), {"tickets": tickets})
@@ -200,27 +435,29 @@ def write_results(
         )
     }
     for ticket_id in tickets:
-        queue_id, enrichment = latest[ticket_id]
-        for order in enrichment.orders:
+        result = latest[ticket_id]
+        for order in result.enrichment.orders:
             rows["tickets"].append(ticket_id)
             rows["order_ids"].append(order.order_id)
             rows["customer_ids"].append(order.customer_id)
             rows["placed_ats"].append(order.placed_at)
             rows["totals"].append(order.total)
-            rows["looked_up_ats"].append(looked_up_at)
-            rows["queue_ids"].append(queue_id)
+            rows["looked_up_ats"].append(result.looked_up_at)
+            rows["queue_ids"].append(result.queue_id)
     if rows["tickets"]:
         conn.execute(SQL("enrich_insert_ticket_orders"), rows)
 
 
-def log_lookups(conn: sa.Connection, lookups: Sequence[Lookup], *, now: datetime | None) -> None:
-    """Record lookups in the lookup log and add their bytes to today's budget ledger."""
+def log_lookups(conn: sa.Connection, lookups: Sequence[Lookup], *, now: datetime | None) -> int:
+    """Record lookups once per claim, add what was recorded to today's budget ledger, and
+    release their reservations; how many were recorded now (not before)."""
     if not lookups:
-        return
-    conn.execute(
-        SQL("enrich_insert_lookup_log"),
+        return 0
+    row = conn.execute(
+        SQL("enrich_log_lookups"),
         {
             "queue_ids": [x.queue_id for x in lookups],
+            "tokens": [x.claim_token for x in lookups],
             "tickets": [x.ticket_id for x in lookups],
             "attempts": [x.attempt for x in lookups],
             "job_ids": [x.job_id for x in lookups],
@@ -229,12 +466,12 @@ def log_lookups(conn: sa.Connection, lookups: Sequence[Lookup], *, now: datetime
             "durations": [x.duration_ms for x in lookups],
             "statuses": [x.status for x in lookups],
             "errors": [x.error for x in lookups],
+            "looked_up_ats": [x.looked_up_at for x in lookups],
+            "admissions": sorted({str(x.admission) for x in lookups if x.admission}),
+            "now": now,
         },
-    )
-    conn.execute(
-        SQL("enrich_add_to_budget"),
-        {"bytes": sum(x.bytes_billed for x in lookups), "lookups": len(lookups), "now": now},
-    )
+    ).one()
+    return int(row.logged)
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,10 +491,3 @@ def read_budget(conn: sa.Connection, limit: int, *, now: datetime | None = None)
     """Bytes billed today (UTC) and when the day resets."""
     row = conn.execute(SQL("enrich_budget_today"), {"now": now}).one()
     return Budget(int(row.bytes_billed), limit, row.resets_at)
-
-
-def timed(fn: Callable[[], Enrichment]) -> tuple[Enrichment, float]:
-    """Run a lookup; its result and how long it took in milliseconds."""
-    start = time.perf_counter()
-    out = fn()
-    return out, (time.perf_counter() - start) * 1000

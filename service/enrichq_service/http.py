@@ -16,7 +16,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -357,7 +357,9 @@ class _App(FastAPI):
         return schema
 
 
-def create_app(settings: Settings, engine: sa.Engine) -> FastAPI:
+def create_app(
+    settings: Settings, engine: sa.Engine, *, health: Callable[[], str | None] | None = None
+) -> FastAPI:
     """The HTTP application: ingest, health, readiness and metrics over `engine`."""
     version = set_build_info(settings.mode.value)
     register_queue_collector(engine)
@@ -467,9 +469,19 @@ def create_app(settings: Settings, engine: sa.Engine) -> FastAPI:
         )
         return JSONResponse(jsonable_encoder(answer), status_code=202)
 
-    @app.get("/healthz", response_model=Health, summary="The process is alive (no database)")
-    async def healthz() -> Health:
-        return Health(status="ok")
+    @app.get(
+        "/healthz",
+        response_model=Health,
+        responses={503: {"model": ErrorBody, "description": "The process cannot go on."}},
+        summary="The process is alive and its worker makes progress (no database)",
+    )
+    async def healthz() -> Response:
+        # `health` is the worker's: a part stopped on an error, or results waiting to be
+        # settled for longer than a lease (enrichq_oldest_unsettled_seconds)
+        problem = health() if health is not None else None
+        if problem is not None:
+            return JSONResponse({"detail": problem}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get(
         "/readyz",

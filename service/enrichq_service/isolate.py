@@ -21,7 +21,7 @@ from decimal import Decimal
 from typing import Any
 
 from enrichq_schema.states import LEASE_EXPIRED_ERROR
-from enrichq_service.enrich import EnrichContext, Enrichment, Order, Ticket
+from enrichq_service.enrich import EnrichContext, EnricherChoice, Enrichment, Order, Ticket
 from enrichq_service.errors import Deferral, PermanentError, TransientError
 from enrichq_service.settings import Settings
 
@@ -90,10 +90,23 @@ def _iso(value: datetime | None) -> str | None:
     return value.isoformat() if value else None
 
 
+def _enrich_one(choice: EnricherChoice, ticket: Ticket, context: EnrichContext) -> object:
+    """One ticket's result from a per-ticket or a batch enricher (its exception raised)."""
+    if choice.per_ticket is not None:
+        return choice.per_ticket(ticket, context)
+    assert choice.batch is not None
+    outcome = choice.batch([ticket], context).get(ticket.id)
+    if outcome is None:
+        raise TransientError("the batch enricher returned nothing for this ticket")
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
+
+
 def _child() -> int:
     """The child's side: read the request, run the enricher, write the answer."""
     from enrichq_schema.db import create_engine
-    from enrichq_service.enrich import load_enricher
+    from enrichq_service.enrich import choose, validate
 
     request = json.loads(sys.stdin.buffer.read())
     settings = Settings.model_validate(request["settings"])
@@ -108,7 +121,7 @@ def _child() -> int:
     warehouse = create_engine(request["warehouse_url"], application_name="enrichq-isolated")
     answer: dict[str, Any]
     try:
-        result = load_enricher(settings.enricher)(ticket, EnrichContext(settings, warehouse))
+        result = validate(_enrich_one(choose(settings), ticket, EnrichContext(settings, warehouse)))
         answer = {
             "orders": [
                 {

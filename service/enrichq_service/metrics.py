@@ -45,6 +45,15 @@ heartbeat_lag_seconds = Gauge(
     "enrichq_heartbeat_lag_seconds", "Seconds since this worker's last successful heartbeat."
 )
 jobs_in_flight = Gauge("enrichq_jobs_in_flight", "Jobs this process is working on now.")
+oldest_unsettled_seconds = Gauge(
+    "enrichq_oldest_unsettled_seconds",
+    "Seconds the oldest finished job of this worker has waited to be settled (0 = none).",
+)
+worker_errors_total = Counter(
+    "enrichq_worker_errors_total",
+    "Errors a part of the worker runtime could not handle (the worker then stops), by thread.",
+    ["thread"],
+)
 
 # -- enrichment
 lookups_total = Counter("enrichq_lookups_total", "Warehouse lookups by status.", ["status"])
@@ -53,6 +62,15 @@ warehouse_bytes_billed_total = Counter(
 )
 budget_exhausted = Gauge(
     "enrichq_budget_exhausted", "1 while today's warehouse bytes budget is spent."
+)
+warehouse_slot_waits_total = Counter(
+    "enrichq_warehouse_slot_waits_total",
+    "Lookups that waited for a slot under ENRICHQ_WAREHOUSE_MAX_CONCURRENCY (or an estimate).",
+)
+warehouse_deferrals_total = Counter(
+    "enrichq_warehouse_deferrals_total",
+    "Lookups refused admission, their jobs deferred, by reason (budget, cap).",
+    ["reason"],
 )
 
 # -- ingest
@@ -123,3 +141,7 @@ def start_counters_at_zero(kinds: tuple[str, ...]) -> None:
         fenced_writes_refused_total.labels(operation)
     for status in ("ok", "empty", "not_found", "error", "deferred"):
         lookups_total.labels(status)
+    for reason in ("budget", "cap"):
+        warehouse_deferrals_total.labels(reason)
+    for thread in ("claims", "runner", "settler", "heartbeat", "listener"):
+        worker_errors_total.labels(thread)

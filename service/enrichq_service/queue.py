@@ -130,6 +130,7 @@ class Job:
     lease_expires_at: datetime
     created_at: datetime
     last_error: str | None = None  # why the previous attempt ended, if it did
+    claimed_at: datetime | None = None  # the database's time of the claim
 
 
 class SettleAction(StrEnum):
@@ -258,6 +259,7 @@ def claim(
             lease_expires_at=r.lease_expires_at,
             created_at=r.created_at,
             last_error=r.last_error,
+            claimed_at=r.claimed_at,
         )
         for r in rows
     ]
@@ -276,7 +278,10 @@ def heartbeat(
     lease_seconds: float,
     now: datetime | None = None,
 ) -> set[int]:
-    """Extend every lease `owner` holds in one statement; returns the ids it no longer holds."""
+    """Extend every lease `owner` holds in one statement; returns the ids it did not extend.
+
+    A missing id may be a lease lost, or a job whose settle committed meanwhile: the caller
+    tells them apart (and counts only the first as lost)."""
     jobs = list(jobs)
     if not jobs:
         return set()
@@ -293,10 +298,7 @@ def heartbeat(
             },
         )
     }
-    lost = {j.id for j in jobs} - extended
-    if lost:
-        metrics.heartbeat_lost_leases_total.inc(len(lost))
-    return lost
+    return {j.id for j in jobs} - extended
 
 
 def settle(
@@ -353,6 +355,40 @@ def _outcome(action: SettleAction, state: str) -> Outcome:
     if action is SettleAction.DEFER:
         return Outcome.DEFERRED  # queued again, or superseded by the key's queued row
     return Outcome.RETRY if state == State.QUEUED else Outcome.DEAD_LETTER
+
+
+def read_back(conn: sa.Connection, settles: Sequence[Settle]) -> dict[int, Outcome]:
+    """What settles whose COMMIT may have been lost did: the outcome of each one the rows
+    show committed (the others are left out: their lease was lost, or they never ran)."""
+    if not settles:
+        return {}
+    rows = {
+        r.id: r for r in conn.execute(SQL("queue_read_back"), {"ids": [s.job.id for s in settles]})
+    }
+    found = {s.job.id: committed(s, rows.get(s.job.id)) for s in settles}
+    return {i: o for i, o in found.items() if o is not None}
+
+
+def committed(settle: Settle, row: Any) -> Outcome | None:
+    """The outcome `settle` had if `row` (the queue row now, or None) shows it committed.
+
+    The claim token on the row is still this claim's only if no later claim took the row;
+    then the row's state, error and attempts tell the settle's own write from the sweeper's
+    recovery of the expired lease (last error 'lease expired', attempts unchanged)."""
+    job = settle.job
+    if row is None or row.claim_token != job.claim_token or row.state == State.LEASED:
+        return None
+    action = settle.action
+    if action is SettleAction.COMPLETE:
+        return Outcome.DONE if row.state == State.DONE else None
+    if action is SettleAction.FAIL:
+        return Outcome.FAILED if row.state == State.FAILED else None
+    if action is SettleAction.DEFER:
+        given_back = row.attempts == max(job.attempts - 1, 0)
+        return Outcome.DEFERRED if given_back and row.state != State.DONE else None
+    if row.last_error != (None if settle.error is None else _clip(settle.error)):
+        return None
+    return Outcome.RETRY if row.state == State.QUEUED else Outcome.DEAD_LETTER
 
 
 def complete(

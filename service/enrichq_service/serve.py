@@ -32,28 +32,27 @@ def export_parity_gauges(engine: sa.Engine, stop: threading.Event) -> None:
 def run_serve(settings: Settings, url: str) -> int:
     """Serve HTTP on ENRICHQ_HTTP_PORT and work the queue until SIGTERM/SIGINT."""
     from enrichq_service.http import bind_socket, create_app, start_server_thread
-    from enrichq_service.observe import register_queue_collector, set_build_info
-    from enrichq_service.worker import Worker, build_engines, stop_on_signals
+    from enrichq_service.worker import stop_on_signals, worker_process
 
     # the port first: a port in use is a one-line error before any connection is made
     sock = bind_socket(settings.http_host, settings.http_port)
-    engines = build_engines(settings, url)
-    engine = engines.queue
-    set_build_info(settings.mode.value)
-    register_queue_collector(engine)
-    worker = Worker(settings, engine, warehouse=engines.warehouse, claims=engines.claims)
-    server = start_server_thread(
-        create_app(settings, engine), host=settings.http_host, port=settings.http_port, sock=sock
-    )
-    log.info("serving HTTP on %s", server.url)
-    exporter = threading.Thread(
-        target=export_parity_gauges, args=(engine, worker.stop), daemon=True
-    )
-    exporter.start()
-    try:
-        with stop_on_signals(worker.stop):
-            result = worker.run()
-    finally:
-        server.stop()
-        engines.dispose()
-    return 1 if result.stop_reason is StopReason.ERROR else 0
+    with worker_process(settings, url) as (worker, engines):
+        engine = engines.queue
+        app = create_app(settings, engine, health=worker.health)
+        server = start_server_thread(
+            app, host=settings.http_host, port=settings.http_port, sock=sock
+        )
+        log.info("serving HTTP on %s", server.url)
+        exporter = threading.Thread(
+            target=export_parity_gauges, args=(engine, worker.stop), daemon=True
+        )
+        exporter.start()
+        try:
+            with stop_on_signals(worker.stop):
+                result = worker.run()
+        finally:
+            server.stop()
+    if result.stop_reason is StopReason.ERROR:
+        log.error("serve stopped: its worker stopped on an error: %s", result.error)
+        return 1
+    return 0

@@ -45,7 +45,9 @@ PARITY_MAX_AGE_HOURS_DEFAULT = 24
 PRIORITY_AGING_SECONDS_DEFAULT = 600
 EVENT_DEDUPE_HOURS_DEFAULT = 24
 EVENT_DEDUPE_HOURS_MAX = 24 * 90
-BUILTIN_ENRICHER = "enrichq_service.enrich:warehouse_lookup"
+# The built-in enrichment: one warehouse query per claim batch (enrichq_service.enrich).
+BUILTIN_BATCH_ENRICHER = "enrichq_service.enrich:warehouse_lookup_batch"
+LOOKUP_BATCH_SIZE_DEFAULT = 50
 BUILTIN_GAVE_UP_HOOK = "enrichq_sweeper.recovery:log_gave_up"
 
 
@@ -123,8 +125,25 @@ class Settings(BaseSettings):
     daily_bytes_budget: int = Field(
         default=0, ge=0, description="Warehouse bytes billed per UTC day; 0 = no budget."
     )
-    enricher: str = Field(
-        default=BUILTIN_ENRICHER, description="package.module:function of the enrichment."
+    enricher: str | None = Field(
+        default=None,
+        description="package.module:function of a per-ticket enrichment (not the batch one).",
+    )
+    batch_enricher: str | None = Field(
+        default=None,
+        description="package.module:function of a batch enrichment; unset = the built-in lookup.",
+    )
+    lookup_batch_size: int = Field(
+        default=LOOKUP_BATCH_SIZE_DEFAULT,
+        ge=1,
+        le=1000,
+        description="Tickets a batch enricher gets at once (one warehouse query).",
+    )
+    warehouse_max_concurrency: int = Field(
+        default=0,
+        ge=0,
+        le=10_000,
+        description="Warehouse lookups running at once, fleet-wide; 0 = no cap.",
     )
     gave_up_hook: str = Field(
         default=BUILTIN_GAVE_UP_HOOK, description="Called with rows whose attempts are spent."
@@ -261,9 +280,11 @@ class Settings(BaseSettings):
             return ()
         return tuple(p.strip() for p in self.webhook_secret.get_secret_value().split(","))
 
-    @field_validator("enricher", "gave_up_hook")
+    @field_validator("enricher", "batch_enricher", "gave_up_hook")
     @classmethod
-    def _import_path(cls, value: str) -> str:
+    def _import_path(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
         module, sep, attr = value.partition(":")
         if not sep or not module or not attr.isidentifier():
             raise ValueError("expected package.module:function")
@@ -283,6 +304,14 @@ class Settings(BaseSettings):
         if value.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
             raise ValueError("expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
         return value.upper()
+
+    @model_validator(mode="after")
+    def _one_enricher(self) -> Settings:
+        if self.enricher is not None and self.batch_enricher is not None:
+            raise ValueError(
+                "set ENRICHQ_ENRICHER (per ticket) or ENRICHQ_BATCH_ENRICHER (per batch), not both"
+            )
+        return self
 
     @model_validator(mode="after")
     def _heartbeat_under_half_lease(self) -> Settings:

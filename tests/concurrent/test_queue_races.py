@@ -20,7 +20,7 @@ from enrichq_schema.db import create_engine
 from enrichq_schema.errors import constraint_name
 from enrichq_schema.tables import LEASED_KEY_INDEX
 from enrichq_service import queue
-from enrichq_service.enrich import Enrichment, Order, write_results
+from enrichq_service.enrich import Enrichment, Order, Result, write_results
 from enrichq_service.queue import EnqueueRequest
 
 LEASE = 60.0
@@ -125,12 +125,12 @@ def test_two_result_writes_of_one_ticket_in_flight_leave_the_later_one_whole(
     errors: list[BaseException] = []
     with a.connect() as conn_a:
         tx = conn_a.begin()
-        write_results(conn_a, {101: ("T-1", first)})
+        write_results(conn_a, [Result(101, "T-1", first, None)])
 
         def write_second() -> None:
             try:
                 with b.begin() as conn_b:
-                    write_results(conn_b, {102: ("T-1", second)})
+                    write_results(conn_b, [Result(102, "T-1", second, None)])
             except BaseException as exc:  # the test asserts on it
                 errors.append(exc)
 

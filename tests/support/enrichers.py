@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import time
+import zlib
 from datetime import UTC, datetime, timedelta
 
 from enrichq_service.enrich import EnrichContext, Enrichment, Order, Ticket, warehouse_lookup
-from enrichq_service.errors import Deferral, PermanentError
+from enrichq_service.errors import Deferral, PermanentError, TransientError
 
 
 def tagged(ticket: Ticket, context: EnrichContext) -> Enrichment:
@@ -91,3 +92,116 @@ def tries_legacy_write(ticket: Ticket, context: EnrichContext) -> Enrichment:
         verdict = "legacy-write-refused" if refused else f"legacy-write-error-{exc.orig}"
     found = warehouse_lookup(ticket, context)
     return Enrichment(found.orders, job_id=verdict, bytes_billed=found.bytes_billed)
+
+
+# -- results the database (or enrichq) must refuse, for ticket ENRICHQ_TEST_BAD_TICKET only
+
+BAD_KINDS = (
+    "nul_order_id",
+    "nul_customer_id",
+    "nul_job_id",
+    "nul_error",
+    "total_not_number",
+    "order_id_missing",
+    "dict_orders",
+)
+# the field each invalid result's `last_error` names
+BAD_FIELDS = {
+    "nul_order_id": "orders[0].order_id",
+    "nul_customer_id": "orders[0].customer_id",
+    "nul_job_id": "job_id",
+    "total_not_number": "orders[0].total",
+    "order_id_missing": "orders[0].order_id",
+    "dict_orders": "orders[0]",
+}
+
+
+def bad_result(ticket: Ticket, context: EnrichContext) -> Enrichment:
+    """The warehouse lookup, except that ticket ENRICHQ_TEST_BAD_TICKET gets a result of the
+    kind ENRICHQ_TEST_BAD_KIND (one of BAD_KINDS)."""
+    if ticket.id != os.environ.get("ENRICHQ_TEST_BAD_TICKET"):
+        return warehouse_lookup(ticket, context)
+    return bad_enrichment(os.environ["ENRICHQ_TEST_BAD_KIND"])
+
+
+def bad_enrichment(kind: str) -> Enrichment:
+    """A result of one of BAD_KINDS (or the error "nul_error" raises)."""
+    if kind == "nul_error":
+        raise TransientError("warehouse said \x00 and hung up")
+    orders: object = {
+        "nul_order_id": (Order("O-\x00-1"),),
+        "nul_customer_id": (Order("O-1", customer_id="C-\x00"),),
+        "nul_job_id": (Order("O-1"),),
+        "total_not_number": (Order("O-1", total="lots"),),  # type: ignore[arg-type]  # the bad data under test
+        "order_id_missing": (Order(None),),  # type: ignore[arg-type]  # the bad data under test
+        "dict_orders": ({"order_id": "O-1"},),
+    }[kind]
+    job_id = "job-\x00" if kind == "nul_job_id" else "job-1"
+    return Enrichment(orders, job_id=job_id, bytes_billed=10)  # type: ignore[arg-type]  # as above
+
+
+def sixty_bytes(ticket: Ticket, context: EnrichContext) -> Enrichment:
+    """A lookup that takes ENRICHQ_TEST_SLOW_SECONDS and bills 60 bytes (budget tests)."""
+    time.sleep(float(os.environ.get("ENRICHQ_TEST_SLOW_SECONDS", "0.5")))
+    return Enrichment((Order(f"O-{ticket.id}"),), job_id=f"job-{ticket.id}", bytes_billed=60)
+
+
+def hang_on_h(ticket: Ticket, context: EnrichContext) -> Enrichment:
+    """Tickets whose id starts with 'H' hang ENRICHQ_TEST_SLOW_SECONDS, deaf to cancellation
+    (a plug-in stuck in a call it cannot interrupt); every start is marked in
+    ENRICHQ_TEST_STARTED_DIR (one file per start)."""
+    marker = os.environ.get("ENRICHQ_TEST_STARTED_DIR")
+    if marker:
+        path = os.path.join(marker, f"{ticket.id}.{time.monotonic_ns()}")
+        with open(path, "w") as f:
+            f.write(str(os.getpid()))
+    if ticket.id.startswith("H"):
+        time.sleep(float(os.environ.get("ENRICHQ_TEST_SLOW_SECONDS", "20")))
+    return Enrichment((Order(f"O-{ticket.id}"),), job_id="job", bytes_billed=1)
+
+
+def past_the_deadline(ticket: Ticket, context: EnrichContext) -> Enrichment:
+    """Ignores cancellation and returns a 1 GB lookup a moment after its attempt's deadline."""
+    assert context.deadline is not None
+    time.sleep(max(0.0, context.deadline - time.monotonic()) + 0.3)
+    return Enrichment((Order(f"O-{ticket.id}"),), job_id="big", bytes_billed=10**9)
+
+
+def two_seconds(ticket: Ticket, context: EnrichContext) -> Enrichment:
+    """A lookup that takes two seconds."""
+    time.sleep(2)
+    return Enrichment((Order(f"O-{ticket.id}"),))
+
+
+def bad_data_fate(ticket_id: str) -> str:
+    """What `bad_data` does to a ticket: "good", "hang" (its first start hangs past the
+    attempt deadline) or one of BAD_KINDS except "nul_error" (an invalid result, every
+    time). About 1% of tickets each hang and get a bad result; stable across processes."""
+    h = zlib.crc32(ticket_id.encode())
+    if h % 100 == 0:
+        kinds = [k for k in BAD_KINDS if k != "nul_error"]
+        return kinds[(h // 100) % len(kinds)]
+    if h % 100 == 1:
+        return "hang"
+    return "good"
+
+
+def bad_data(ticket: Ticket, context: EnrichContext) -> Enrichment:
+    """The warehouse lookup, except for the tickets `bad_data_fate` picks: an invalid result,
+    or a first start deaf to cancellation that sleeps past the deadline (marked in
+    ENRICHQ_TEST_STARTED_DIR, so the next attempt runs normally)."""
+    fate = bad_data_fate(ticket.id)
+    if fate == "hang":
+        marker = os.path.join(os.environ["ENRICHQ_TEST_STARTED_DIR"], ticket.id)
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            pass
+        else:
+            os.close(fd)
+            assert context.deadline is not None
+            time.sleep(max(0.0, context.deadline - time.monotonic()) + 1.0)
+        return warehouse_lookup(ticket, context)
+    if fate == "good":
+        return warehouse_lookup(ticket, context)
+    return bad_enrichment(fate)

@@ -1,5 +1,6 @@
--- Enrichment reads and writes (DESIGN §4). Table names of the help desk mirror and the
--- warehouse come from settings; they are validated schema.table identifiers that the
+-- Enrichment reads and writes (DESIGN §4), and the fleet-wide admission of warehouse
+-- lookups (the daily budget and the warehouse cap). Table names of the help desk mirror and
+-- the warehouse come from settings; they are validated schema.table identifiers that the
 -- loader's caller quotes into {tickets}, {customers} and {orders}, since a table name
 -- cannot be a bound parameter. Everything else is bound.
 
@@ -11,13 +12,21 @@ FROM {tickets}
 WHERE id = ANY(CAST(:ids AS text[]));
 
 
--- name: enrich_warehouse_orders
--- Orders of the customer(s) with this e-mail, newest first (case-insensitive match).
-SELECT o.order_id, o.customer_id, o.placed_at, o.total
+-- name: enrich_warehouse_orders_batch
+-- The orders of the customers with these e-mails (:emails, expanded by SQLAlchemy into one
+-- bound value each, lower case), each with the e-mail it was found by, newest first: one
+-- warehouse query for a whole batch of tickets, the same text on every dialect.
+SELECT lower(c.email) AS email, o.order_id, o.customer_id, o.placed_at, o.total
 FROM {customers} AS c
 JOIN {orders} AS o ON o.customer_id = c.customer_id
-WHERE lower(c.email) = lower(:email)
-ORDER BY o.placed_at DESC, o.order_id;
+WHERE lower(c.email) IN :emails
+ORDER BY lower(c.email), o.placed_at DESC, o.order_id;
+
+
+-- name: enrich_statement_timeout
+-- Limits the rest of the warehouse transaction's statements to :timeout_ms (text): the
+-- attempt's remaining time (PostgreSQL warehouses).
+SELECT set_config('statement_timeout', :timeout_ms, true);
 
 
 -- name: enrich_upsert_enrichments
@@ -59,26 +68,122 @@ FROM unnest(
 ON CONFLICT (ticket_id, order_id) DO NOTHING;
 
 
--- name: enrich_insert_lookup_log
--- One row per warehouse lookup, whether or not its result was written.
-INSERT INTO enrichq.lookup_log
-    (queue_id, ticket_id, attempt, job_id, bytes_billed, rows, duration_ms, status, error)
-SELECT *
-FROM unnest(
-    CAST(:queue_ids AS bigint[]), CAST(:tickets AS text[]), CAST(:attempts AS int[]),
-    CAST(:job_ids AS text[]), CAST(:bytes AS bigint[]), CAST(:rows AS int[]),
-    CAST(:durations AS float8[]), CAST(:statuses AS text[]), CAST(:errors AS text[])
-);
+-- name: enrich_log_lookups
+-- Records each lookup once per claim (queue id and claim token: a settle that runs again
+-- after a lost COMMIT reply records nothing twice), adds what it recorded now to today's
+-- (UTC) budget ledger, and releases the lookups' fleet-wide reservations (:admissions).
+-- Returns how many rows it recorded now.
+WITH clock AS (
+    SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
+),
+logged AS (
+    INSERT INTO enrichq.lookup_log AS l
+        (queue_id, claim_token, ticket_id, attempt, job_id, bytes_billed, rows, duration_ms,
+         status, error, created_at)
+    SELECT u.queue_id, u.claim_token, u.ticket_id, u.attempt, u.job_id, u.bytes_billed,
+           u.rows, u.duration_ms, u.status, u.error, clock.now
+    FROM unnest(
+        CAST(:queue_ids AS bigint[]), CAST(:tokens AS uuid[]), CAST(:tickets AS text[]),
+        CAST(:attempts AS int[]), CAST(:job_ids AS text[]), CAST(:bytes AS bigint[]),
+        CAST(:rows AS int[]), CAST(:durations AS float8[]), CAST(:statuses AS text[]),
+        CAST(:errors AS text[])
+    ) AS u (queue_id, claim_token, ticket_id, attempt, job_id, bytes_billed, rows,
+            duration_ms, status, error)
+    CROSS JOIN clock
+    ORDER BY u.queue_id
+    ON CONFLICT (queue_id, claim_token) DO NOTHING
+    RETURNING l.bytes_billed
+),
+charged AS (
+    INSERT INTO enrichq.budget_ledger AS b (day, bytes_billed, lookups, updated_at)
+    SELECT CAST(timezone('UTC', clock.now) AS date), sum(g.bytes_billed), count(*), clock.now
+    FROM logged AS g
+    CROSS JOIN clock
+    GROUP BY clock.now
+    ON CONFLICT (day) DO UPDATE
+    SET bytes_billed = b.bytes_billed + excluded.bytes_billed,
+        lookups = b.lookups + excluded.lookups, updated_at = excluded.updated_at
+    RETURNING 1
+),
+released AS (
+    DELETE FROM enrichq.lookups_in_flight AS f
+    WHERE f.token = ANY(CAST(:admissions AS uuid[]))
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM logged) AS logged,
+       (SELECT count(*) FROM charged) AS charged,
+       (SELECT count(*) FROM released) AS released;
 
 
--- name: enrich_add_to_budget
--- Add bytes billed and lookups to today's (UTC) ledger row.
-INSERT INTO enrichq.budget_ledger AS b (day, bytes_billed, lookups, updated_at)
-VALUES (CAST(timezone('UTC', coalesce(CAST(:now AS timestamptz), now())) AS date),
-        :bytes, :lookups, coalesce(CAST(:now AS timestamptz), now()))
-ON CONFLICT (day) DO UPDATE
-SET bytes_billed = b.bytes_billed + excluded.bytes_billed,
-    lookups = b.lookups + excluded.lookups, updated_at = excluded.updated_at;
+-- name: admission_serialize
+-- Makes this transaction the only one admitting a warehouse lookup, fleet-wide, until it
+-- ends (the count of lookups in flight and the reservations must not move under it).
+SELECT pg_advisory_xact_lock(CAST(:lock_space AS int), 0);
+
+
+-- name: admission_take
+-- Admits one warehouse lookup as :token, of :owner, unless the fleet-wide cap (:cap, 0 =
+-- none) has no free slot or today's budget (:budget, 0 = none) is spent, counting the bytes
+-- reserved by the lookups in flight. It reserves :expected bytes (NULL: the latest day's
+-- average lookup) until its settle releases them, or until :lease_seconds pass without its
+-- owner's heartbeat (a slot whose holder died is free again within one lease). Returns why
+-- it was refused ('cap', 'budget' or NULL), the bytes reserved, the database time, and when
+-- the budget's day resets.
+WITH clock AS (
+    SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
+),
+ledger AS (
+    SELECT coalesce((SELECT b.bytes_billed FROM enrichq.budget_ledger AS b
+                     WHERE b.day = CAST(timezone('UTC', clock.now) AS date)), 0) AS spent,
+           (SELECT b.bytes_billed / b.lookups FROM enrichq.budget_ledger AS b
+            WHERE b.lookups > 0 ORDER BY b.day DESC LIMIT 1) AS average
+    FROM clock
+),
+live AS (
+    SELECT count(*) AS slots, coalesce(sum(f.reserved_bytes), 0) AS reserved
+    FROM enrichq.lookups_in_flight AS f
+    CROSS JOIN clock
+    WHERE f.expires_at > clock.now
+),
+verdict AS (
+    SELECT CASE WHEN :cap > 0 AND live.slots >= :cap THEN 'cap'
+                WHEN :budget > 0 AND ledger.spent + live.reserved >= :budget THEN 'budget'
+           END AS refused,
+           coalesce(CAST(:expected AS bigint), ledger.average, 0) AS expected
+    FROM ledger, live
+),
+taken AS (
+    INSERT INTO enrichq.lookups_in_flight (token, owner, reserved_bytes, started_at, expires_at)
+    SELECT CAST(:token AS uuid), :owner, v.expected, clock.now,
+           clock.now + make_interval(secs => CAST(:lease_seconds AS float8))
+    FROM verdict AS v
+    CROSS JOIN clock
+    WHERE v.refused IS NULL
+    RETURNING reserved_bytes
+)
+SELECT v.refused, (SELECT t.reserved_bytes FROM taken AS t) AS reserved, clock.now,
+       timezone('UTC', CAST(date_trunc('day', timezone('UTC', clock.now)) + interval '1 day'
+                            AS timestamp)) AS resets_at
+FROM verdict AS v
+CROSS JOIN clock;
+
+
+-- name: admission_reserve
+-- Sets the bytes reserved by admitted lookup :token (once its real cost is known, before
+-- its settle charges it).
+UPDATE enrichq.lookups_in_flight SET reserved_bytes = :bytes WHERE token = CAST(:token AS uuid);
+
+
+-- name: admission_release
+-- Releases the admission of lookups that never ran (deferred, or given back to wait).
+DELETE FROM enrichq.lookups_in_flight WHERE token = ANY(CAST(:tokens AS uuid[]));
+
+
+-- name: admission_extend
+-- Extends the admissions of :owner's lookups in flight by :lease_seconds (its heartbeat).
+UPDATE enrichq.lookups_in_flight
+SET expires_at = coalesce(CAST(:now AS timestamptz), now()) + make_interval(secs => CAST(:lease_seconds AS float8))
+WHERE owner = :owner;
 
 
 -- name: enrich_budget_today

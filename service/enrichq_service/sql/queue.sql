@@ -166,7 +166,8 @@ claimed AS (
     FROM chosen, clock
     WHERE q.id = chosen.id
     RETURNING q.id, q.kind, q.key, q.tenant, q.reason, q.payload, q.attempts,
-              q.max_attempts, q.claim_token, q.lease_expires_at, q.created_at, q.last_error
+              q.max_attempts, q.claim_token, q.lease_expires_at, q.created_at, q.last_error,
+              q.updated_at AS claimed_at
 ),
 -- count the claims for fairness (pairs in a fixed order: concurrent claims never deadlock)
 counted AS (
@@ -277,6 +278,13 @@ FROM enrichq.queue AS q
 JOIN unnest(CAST(:kinds AS text[]), CAST(:keys AS text[])) AS k(kind, key)
     ON q.kind = k.kind AND q.key = k.key
 WHERE q.state = 'queued';
+
+
+-- name: queue_read_back
+-- The rows :ids as they are now: what a settle whose COMMIT reply was lost really did.
+SELECT q.id, q.state, q.claim_token, q.attempts, q.dead_reason, q.last_error
+FROM enrichq.queue AS q
+WHERE q.id = ANY(CAST(:ids AS bigint[]));
 
 
 -- name: queue_get

@@ -1,0 +1,29 @@
+"""The worker runtime (DESIGN §3, §4): claim, heartbeat, enrich, settle.
+
+See `runtime` for how the parts fit together; each part is a module of its own.
+"""
+
+from enrichq_service.worker.db import ThreadConnection
+from enrichq_service.worker.engines import WorkerEngines, build_engines
+from enrichq_service.worker.runtime import (
+    KINDS,
+    RunResult,
+    Worker,
+    new_owner,
+    run_worker,
+    stop_on_signals,
+    worker_process,
+)
+
+__all__ = [
+    "KINDS",
+    "RunResult",
+    "ThreadConnection",
+    "Worker",
+    "WorkerEngines",
+    "build_engines",
+    "new_owner",
+    "run_worker",
+    "stop_on_signals",
+    "worker_process",
+]

@@ -1,0 +1,71 @@
+"""The heartbeat: every ENRICHQ_HEARTBEAT_SECONDS, one statement extends every lease this
+worker still holds (and its warehouse admissions); a lease that did not come back is lost:
+its handler is told to stop and its result is never written.
+
+Only jobs not yet handed to the settler are extended: a job whose settle commits while the
+heartbeat runs is not a lost lease (the registry ignores the report of a job it has already
+let go), so `enrichq_heartbeat_lost_leases_total` counts only leases really lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import sqlalchemy as sa
+import sqlalchemy.exc as sa_exc
+
+from enrichq_service import metrics
+from enrichq_service import queue as q
+from enrichq_service.enrich import error_text
+from enrichq_service.settings import Settings
+from enrichq_service.worker.admission import Admission
+from enrichq_service.worker.db import is_unavailable
+from enrichq_service.worker.lifecycle import Jobs
+
+log = logging.getLogger(__name__)
+
+
+class Heartbeat:
+    """Extends this worker's leases until stopped."""
+
+    def __init__(
+        self, engine: sa.Engine, settings: Settings, owner: str, jobs: Jobs, admission: Admission
+    ) -> None:
+        self._engine = engine
+        self._settings = settings
+        self._owner = owner
+        self._jobs = jobs
+        self._admission = admission
+        self._last = time.monotonic()
+
+    def run(self, stop: threading.Event) -> None:
+        period = self._settings.heartbeat_seconds
+        while not stop.wait(period):
+            self.beat()
+
+    def beat(self) -> None:
+        metrics.heartbeat_lag_seconds.set(time.monotonic() - self._last)
+        held = self._jobs.heartbeat_jobs()
+        if not held:
+            self._last = time.monotonic()
+            return
+        try:
+            with self._engine.begin() as conn:
+                missing = q.heartbeat(
+                    conn,
+                    owner=self._owner,
+                    jobs=[h.job for h in held],
+                    lease_seconds=self._settings.lease_seconds,
+                )
+                self._admission.extend(conn)
+        except sa_exc.SQLAlchemyError as exc:
+            if not is_unavailable(exc):
+                raise
+            metrics.heartbeat_failures_total.inc()
+            log.warning("heartbeat failed (%s)", error_text(exc))
+            return
+        self._last = time.monotonic()
+        if missing:
+            self._jobs.lose(missing)

@@ -1,0 +1,260 @@
+"""A held job's life, as one small state machine, and the registry of the jobs held.
+
+Every job this process holds goes through these phases:
+
+    claimed ──start──▶ started ──finish──▶ finished ──hand_off──▶ settling ──settled──▶ settled
+       │                  │                    │
+       │ abandon          │ abandon            │ lose
+       ▼                  ▼                    ▼
+    settling           abandoned             lost
+    (defer: never      (retry handed to the
+     started, the       settler; the handler
+     attempt back)      may still return)
+
+and a heartbeat may find the lease gone (`lose`) in claimed, started or finished. The
+transition function is pure; the registry (`Jobs`) applies it under one lock and is the
+only state the claim loop, the runner, the settler and the heartbeat share.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from enrichq_service.enrich import Ticket
+from enrichq_service.queue import Job
+
+
+class Phase(StrEnum):
+    """Where one held job is."""
+
+    CLAIMED = "claimed"  # leased to this process, its handler not started
+    STARTED = "started"  # its handler runs
+    FINISHED = "finished"  # its handler returned; its settlement is being built
+    SETTLING = "settling"  # handed to the settler
+    SETTLED = "settled"  # its settle committed (or was refused): no longer held
+    ABANDONED = "abandoned"  # past its deadline while running: retried, handler told to stop
+    LOST = "lost"  # the heartbeat found the lease gone: someone else's now
+
+
+class Event(StrEnum):
+    """What can happen to a held job."""
+
+    START = "start"
+    FINISH = "finish"
+    HAND_OFF = "hand_off"
+    SETTLED = "settled"
+    ABANDON = "abandon"  # its attempt's deadline passed
+    LOSE = "lose"  # the heartbeat did not extend its lease
+
+
+class IllegalTransition(Exception):
+    """An event that cannot happen in a phase: a bug in the runtime, never a race."""
+
+
+# Events that may legitimately arrive late (a race with another thread) and change nothing.
+IGNORED: frozenset[tuple[Phase, Event]] = frozenset(
+    {
+        (Phase.FINISHED, Event.ABANDON),  # it finished just in time
+        (Phase.SETTLING, Event.ABANDON),
+        (Phase.SETTLING, Event.LOSE),  # its settle committed first: not a lost lease
+        (Phase.SETTLED, Event.ABANDON),
+        (Phase.SETTLED, Event.LOSE),
+        (Phase.ABANDONED, Event.ABANDON),
+        (Phase.ABANDONED, Event.LOSE),
+        (Phase.ABANDONED, Event.FINISH),  # a late result: its lookup is logged, nothing else
+        (Phase.LOST, Event.ABANDON),
+        (Phase.LOST, Event.LOSE),
+        (Phase.LOST, Event.FINISH),  # a late result of a lost lease: logged, nothing else
+        (Phase.LOST, Event.START),  # a lost job never starts
+        (Phase.ABANDONED, Event.START),
+        (Phase.SETTLING, Event.START),  # deferred before it started: never starts
+        (Phase.SETTLED, Event.START),
+        (Phase.SETTLED, Event.FINISH),  # a late result of an abandoned job whose retry committed
+        (Phase.LOST, Event.SETTLED),  # a settle of a job lost meanwhile was refused
+    }
+)
+
+MOVES: dict[tuple[Phase, Event], Phase] = {
+    (Phase.CLAIMED, Event.START): Phase.STARTED,
+    (Phase.CLAIMED, Event.HAND_OFF): Phase.SETTLING,  # refused before it could start
+    (Phase.CLAIMED, Event.ABANDON): Phase.SETTLING,  # overdue, never started: deferred
+    (Phase.CLAIMED, Event.LOSE): Phase.LOST,
+    (Phase.STARTED, Event.FINISH): Phase.FINISHED,
+    (Phase.STARTED, Event.ABANDON): Phase.ABANDONED,
+    (Phase.STARTED, Event.LOSE): Phase.LOST,
+    (Phase.FINISHED, Event.HAND_OFF): Phase.SETTLING,
+    (Phase.FINISHED, Event.LOSE): Phase.LOST,
+    (Phase.SETTLING, Event.SETTLED): Phase.SETTLED,
+    (Phase.ABANDONED, Event.SETTLED): Phase.SETTLED,
+}
+
+
+def transition(phase: Phase, event: Event) -> Phase:
+    """The phase after `event`; the same phase for an event that arrives too late to
+    matter; IllegalTransition for one that cannot happen."""
+    moved = MOVES.get((phase, event))
+    if moved is not None:
+        return moved
+    if (phase, event) in IGNORED:
+        return phase
+    raise IllegalTransition(f"{event.value} in {phase.value}")
+
+
+@dataclass(eq=False)
+class Held:
+    """A job this process holds, from its claim until it is settled or lost."""
+
+    job: Job
+    ticket: Ticket | None
+    deadline: float  # time.monotonic() after which the attempt is abandoned
+    claimed_at: float = field(default_factory=time.monotonic)
+    phase: Phase = Phase.CLAIMED
+    handed_at: float | None = None  # when its settlement went to the settler
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    # called (once) when the job is abandoned or lost: interrupts a running lookup
+    _cancellers: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def id(self) -> int:
+        return self.job.id
+
+
+class Jobs:
+    """The jobs this process holds, by id; every change goes through `transition`."""
+
+    def __init__(self, on_lost: Callable[[Held], None] | None = None) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[int, Held] = {}
+        self._on_lost = on_lost or (lambda held: None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def add(self, held: Iterable[Held]) -> None:
+        with self._lock:
+            for h in held:
+                self._held[h.id] = h
+
+    def _apply(self, held: Held, event: Event) -> tuple[Phase, Phase]:
+        before = held.phase
+        held.phase = transition(before, event)
+        if held.phase in (Phase.SETTLING, Phase.ABANDONED) and held.handed_at is None:
+            held.handed_at = time.monotonic()
+        if held.phase in (Phase.SETTLED, Phase.LOST):
+            self._held.pop(held.id, None)
+        return before, held.phase
+
+    def start(self, held: Sequence[Held]) -> list[Held]:
+        """Start the jobs that may still start (claimed); the others never will."""
+        with self._lock:
+            return [
+                h for h in held if self._apply(h, Event.START) == (Phase.CLAIMED, Phase.STARTED)
+            ]
+
+    def hand_off(self, held: Held, *, finished: bool) -> bool:
+        """Move a job towards the settler; False when it was abandoned or lost meanwhile
+        (its result must not be settled: only its lookup, if any, is logged)."""
+        with self._lock:
+            if finished and self._apply(held, Event.FINISH)[1] is not Phase.FINISHED:
+                return False
+            return self._apply(held, Event.HAND_OFF)[1] is Phase.SETTLING
+
+    def settled(self, held: Iterable[Held]) -> None:
+        """Their settles committed, or were refused: no longer held."""
+        with self._lock:
+            for h in held:
+                self._apply(h, Event.SETTLED)
+
+    def overdue(self, now: float) -> tuple[list[Held], list[Held]]:
+        """Jobs past their deadline: (never started: to defer, running: to retry). Both are
+        handed to the settler by this call; running ones are also cancelled."""
+        never: list[Held] = []
+        running: list[Held] = []
+        with self._lock:
+            for h in list(self._held.values()):
+                if h.deadline > now:
+                    continue
+                before, after = self._apply(h, Event.ABANDON)
+                if (before, after) == (Phase.CLAIMED, Phase.SETTLING):
+                    never.append(h)
+                elif after is Phase.ABANDONED and before is Phase.STARTED:
+                    running.append(h)
+        for h in running:
+            _cancel(h)
+        return never, running
+
+    def lose(self, ids: Iterable[int]) -> list[Held]:
+        """The heartbeat found these leases gone; the jobs that really lost theirs (a job
+        already handed to the settler did not: its settle committed first)."""
+        lost: list[Held] = []
+        with self._lock:
+            for i in ids:
+                h = self._held.get(i)
+                if h is not None and self._apply(h, Event.LOSE)[1] is Phase.LOST:
+                    lost.append(h)
+        for h in lost:
+            _cancel(h)
+            self._on_lost(h)
+        return lost
+
+    def heartbeat_jobs(self) -> list[Held]:
+        """Jobs whose lease the heartbeat extends: not yet handed to the settler."""
+        alive = (Phase.CLAIMED, Phase.STARTED, Phase.FINISHED)
+        with self._lock:
+            return [h for h in self._held.values() if h.phase in alive]
+
+    def unsettled(self) -> list[Held]:
+        """Every job still held, in any phase."""
+        with self._lock:
+            return list(self._held.values())
+
+    def oldest_unsettled_seconds(self, now: float | None = None) -> float:
+        """How long the oldest settlement handed to the settler has waited (0 = none)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            handed = [h.handed_at for h in self._held.values() if h.handed_at is not None]
+        return max(0.0, now - min(handed)) if handed else 0.0
+
+    def nearest_deadline(self) -> float | None:
+        with self._lock:
+            live = [h.deadline for h in self._held.values() if h.phase is not Phase.SETTLING]
+        return min(live) if live else None
+
+    @contextmanager
+    def interruptible(self, held: Sequence[Held], cancel: Callable[[], None]) -> Iterator[None]:
+        """While the block runs, `cancel` is called (once) as soon as every job of `held` is
+        cancelled (abandoned or lost): a batch whose one ticket lost its lease still runs
+        for the others."""
+        fired = threading.Event()
+
+        def maybe() -> None:
+            if not fired.is_set() and all(h.cancelled.is_set() for h in held):
+                fired.set()
+                cancel()
+
+        with self._lock:
+            for h in held:
+                h._cancellers.append(maybe)
+        try:
+            maybe()
+            yield
+        finally:
+            with self._lock:
+                for h in held:
+                    if maybe in h._cancellers:
+                        h._cancellers.remove(maybe)
+
+
+def _cancel(held: Held) -> None:
+    held.cancelled.set()
+    for cancel in list(held._cancellers):
+        # interrupting a lookup is best effort: its statement timeout still holds
+        with contextlib.suppress(Exception):
+            cancel()

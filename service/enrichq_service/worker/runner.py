@@ -1,0 +1,323 @@
+"""The job runner: runs the enrichment of claimed jobs on a pool of threads.
+
+Jobs arrive in units: one job for a per-ticket enricher, up to ENRICHQ_LOOKUP_BATCH_SIZE
+for a batch enricher, and a unit takes one thread. The runner owns the pool and knows how
+many threads are free; the claim loop claims only as many jobs as can start at once, so no
+job ever waits behind a hung plug-in and loses attempts it never used. A thread whose
+plug-in hangs past the attempt's deadline is abandoned (its job retried) and stays busy
+until the plug-in returns: the pool has a spare thread per slot, and once those are taken
+the worker claims less.
+
+For each unit the runner starts the jobs that may still start (one lost or abandoned
+meanwhile never does), checks each (known kind, payload, mirrored ticket), admits the
+lookup fleet-wide (budget, warehouse cap), runs the enricher (a suspect, whose previous
+attempt lost its process, alone in a child process), validates each result where it
+enters, and hands the settler one settlement per job.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import sqlalchemy as sa
+
+from enrichq_schema.states import Kind
+from enrichq_service import metrics
+from enrichq_service.enrich import (
+    EnrichContext,
+    EnricherChoice,
+    Enrichment,
+    Lookup,
+    Result,
+    error_text,
+    validate,
+)
+from enrichq_service.errors import Deferral, PermanentError, TransientError
+from enrichq_service.isolate import enrich_in_child, is_suspect
+from enrichq_service.queue import SettleAction
+from enrichq_service.settings import Settings
+from enrichq_service.worker.admission import NOT_NEEDED, Admission, Admitted, Refused
+from enrichq_service.worker.lifecycle import Held, Jobs
+from enrichq_service.worker.settler import Settlement
+
+log = logging.getLogger(__name__)
+
+KINDS = frozenset(k.value for k in Kind)
+# Spare threads per slot for plug-ins that hang past their deadline (they cannot be killed).
+SPARE_THREADS_PER_SLOT = 1
+
+
+class NotMirrored(TransientError):
+    """The ticket is not in the help-desk mirror yet: transient, retried with backoff."""
+
+
+class Missing(TransientError):
+    """The batch enricher returned nothing for this ticket."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one job's enrichment came to, before its settlement is built."""
+
+    held: Held
+    value: Enrichment | BaseException
+
+
+class Runner:
+    """Runs units of jobs on its own threads; `capacity` says how many jobs can start now."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        jobs: Jobs,
+        *,
+        enricher: EnricherChoice,
+        warehouse: sa.Engine,
+        admission: Admission,
+        settle: Callable[[Settlement], None],
+        on_budget_refused: Callable[[], None],
+    ) -> None:
+        self._settings = settings
+        self._jobs = jobs
+        self._enricher = enricher
+        self._warehouse = warehouse
+        self._admission = admission
+        self._settle = settle
+        self._on_budget_refused = on_budget_refused
+        self._threads = settings.concurrency * (1 + SPARE_THREADS_PER_SLOT)
+        self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="enrichq-job")
+        self._lock = threading.Lock()
+        self._busy = 0
+        self.errors: list[BaseException] = []  # unexpected errors of unit threads (fatal)
+
+    @property
+    def unit_size(self) -> int:
+        return self._enricher.unit_size
+
+    def capacity(self) -> int:
+        """Jobs that can be claimed and started at once: free slots, and free threads."""
+        with self._lock:
+            idle_threads = self._threads - self._busy
+        free_slots = self._settings.concurrency - len(self._jobs)
+        return max(0, min(free_slots, idle_threads * self.unit_size))
+
+    def busy(self) -> int:
+        with self._lock:
+            return self._busy
+
+    def submit(self, held: Sequence[Held]) -> None:
+        """Run the jobs, a unit at a time, each unit on a thread of its own."""
+        size = self.unit_size
+        for start in range(0, len(held), size):
+            unit = list(held[start : start + size])
+            with self._lock:
+                self._busy += 1
+            self._pool.submit(self._run_unit, unit)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- one unit
+
+    def _run_unit(self, unit: list[Held]) -> None:
+        try:
+            self._run(unit)
+        except BaseException as exc:  # a bug: the runtime's supervisor stops the process
+            log.exception("a job thread failed")
+            metrics.worker_errors_total.labels("runner").inc()
+            self.errors.append(exc)
+        finally:
+            with self._lock:
+                self._busy -= 1
+
+    def _run(self, unit: list[Held]) -> None:
+        started = self._jobs.start(unit)
+        ready: list[Held] = []
+        for held in started:
+            problem = _precheck(held)
+            if problem is None:
+                ready.append(held)
+            else:
+                self._hand_off(held, _settlement_for(held, problem, None), finished=True)
+        if not ready:
+            return
+        deadline = min(h.deadline for h in ready)
+        # set when the whole unit is abandoned or lost: waits end, the lookup is told to stop
+        cancelled = threading.Event()
+        with self._jobs.interruptible(ready, cancelled.set):
+            try:
+                admitted = self._admission.admit(cancelled)
+            except Refused as exc:
+                if exc.reason == "budget":
+                    self._on_budget_refused()
+                for held in ready:
+                    self._hand_off(held, _settlement_for(held, exc, None), finished=True)
+                return
+            outcomes, lookups = self._enrich(ready, admitted, deadline, cancelled)
+        for outcome in outcomes:
+            lookup = lookups.get(outcome.held.id)
+            self._hand_off(
+                outcome.held, _settlement_for(outcome.held, outcome.value, lookup), finished=True
+            )
+
+    def _enrich(
+        self, ready: list[Held], admitted: Admitted, deadline: float, cancelled: threading.Event
+    ) -> tuple[list[Outcome], dict[int, Lookup]]:
+        """Run the enricher for the ready jobs; their outcomes and lookup records."""
+        began = time.monotonic()
+        billed = 0
+        outcomes: list[Outcome] = []
+        try:
+            suspects = [h for h in ready if is_suspect(h.job.attempts, h.job.last_error)]
+            rest = [h for h in ready if h not in suspects]
+            for held in suspects:
+                # its last worker vanished mid-attempt: it may be what killed it
+                outcomes.append(Outcome(held, self._isolated(held)))
+            if rest:
+                outcomes.extend(self._in_process(rest, deadline, cancelled))
+            billed = sum(o.value.bytes_billed for o in outcomes if isinstance(o.value, Enrichment))
+        finally:
+            self._admission.learned(admitted, billed)
+        duration_ms = (time.monotonic() - began) * 1000
+        lookups = {
+            o.held.id: _lookup(o.held, o.value, duration_ms, began, admitted) for o in outcomes
+        }
+        return outcomes, lookups
+
+    def _in_process(
+        self, held: list[Held], deadline: float, cancelled: threading.Event
+    ) -> list[Outcome]:
+        tickets = [h.ticket for h in held]
+        context = EnrichContext(
+            self._settings,
+            self._warehouse,
+            cancelled,
+            deadline,
+            lambda fn: self._jobs.interruptible(held, fn),
+        )
+        per_ticket, batch = self._enricher.per_ticket, self._enricher.batch
+        try:
+            if per_ticket is not None:
+                [one] = held
+                assert one.ticket is not None
+                results: Mapping[str, object] = {
+                    one.job.key: _checked(per_ticket(one.ticket, context))
+                }
+            else:
+                assert batch is not None
+                results = batch([t for t in tickets if t is not None], context)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                raise
+            return [Outcome(h, exc) for h in held]
+        if not isinstance(results, Mapping):
+            bad = PermanentError(
+                f"the batch enricher returned {type(results).__name__}, not a mapping"
+            )
+            return [Outcome(h, bad) for h in held]
+        out: list[Outcome] = []
+        for h in held:
+            value = results.get(h.job.key, Missing("the batch enricher returned nothing for it"))
+            out.append(Outcome(h, value if isinstance(value, BaseException) else _checked(value)))
+        return out
+
+    def _isolated(self, held: Held) -> Enrichment | BaseException:
+        assert held.ticket is not None
+        try:
+            return _checked(
+                enrich_in_child(
+                    self._settings,
+                    self._warehouse.url.render_as_string(hide_password=False),
+                    held.ticket,
+                    timeout=max(1.0, held.deadline - time.monotonic()),
+                )
+            )
+        except Exception as exc:
+            return exc
+
+    def _hand_off(self, held: Held, settlement: Settlement, *, finished: bool) -> None:
+        if self._jobs.hand_off(held, finished=finished):
+            self._settle(settlement)
+        elif settlement.lookup is not None:
+            # abandoned or lost meanwhile: its result must not land, its lookup is charged
+            self._settle(Settlement(held, None, lookup=settlement.lookup))
+
+
+def _checked(value: object) -> Enrichment | BaseException:
+    try:
+        return validate(value)
+    except PermanentError as exc:
+        return exc
+
+
+def _precheck(held: Held) -> BaseException | None:
+    """Why a job cannot be enriched at all, or None."""
+    job = held.job
+    if job.kind not in KINDS:
+        return PermanentError(f"unknown kind {job.kind!r}")
+    if not isinstance(job.payload, Mapping):
+        return PermanentError("payload must be a JSON object")
+    if held.ticket is None:
+        return NotMirrored(f"ticket {job.key!r} is not in the help-desk mirror yet")
+    return None
+
+
+def _settlement_for(held: Held, value: object, lookup: Lookup | None) -> Settlement:
+    """The settlement of one job's outcome: a result to complete, or an error's action."""
+    if isinstance(value, Enrichment):
+        result = Result(held.id, held.job.key, value, lookup.looked_up_at if lookup else None)
+        return Settlement(held, SettleAction.COMPLETE, result=result, lookup=lookup)
+    assert isinstance(value, BaseException)
+    if isinstance(value, Deferral):
+        return Settlement(held, SettleAction.DEFER, until=value.until, lookup=lookup)
+    error = error_text(value)
+    if isinstance(value, PermanentError):
+        return Settlement(held, SettleAction.FAIL, error=error, lookup=lookup)
+    return Settlement(held, SettleAction.RETRY, error=error, lookup=lookup)
+
+
+def _lookup(
+    held: Held,
+    value: Enrichment | BaseException,
+    duration_ms: float,
+    began: float,
+    admitted: Admitted,
+) -> Lookup:
+    """The lookup-log record of one job's part of a lookup."""
+    if isinstance(value, Enrichment):
+        status = "ok" if value.orders else "empty"
+        rows, billed, job_id, error = len(value.orders), value.bytes_billed, value.job_id, None
+    else:
+        status = "deferred" if isinstance(value, Deferral) else "error"
+        rows, billed, job_id, error = 0, 0, None, error_text(value)
+    metrics.lookups_total.labels(status).inc()
+    metrics.warehouse_bytes_billed_total.inc(billed)
+    return Lookup(
+        queue_id=held.id,
+        claim_token=held.job.claim_token,
+        ticket_id=held.job.key,
+        attempt=held.job.attempts,
+        job_id=job_id,
+        bytes_billed=billed,
+        rows=rows,
+        duration_ms=duration_ms,
+        status=status,
+        looked_up_at=database_time(held, began),
+        error=error,
+        admission=admitted.token if admitted is not NOT_NEEDED else None,
+    )
+
+
+def database_time(held: Held, moment: float) -> datetime | None:
+    """The database's time at monotonic `moment`: the claim's database time (the claim
+    statement's now()) plus what the monotonic clock counted since the claim returned."""
+    claimed = held.job.claimed_at
+    if claimed is None:
+        return None
+    return claimed + timedelta(seconds=moment - held.claimed_at)

@@ -1,0 +1,407 @@
+"""The worker runtime: a claim loop, and the parts it hands work to.
+
+Each part owns its state and talks to the others through one registry of held jobs
+(`lifecycle.Jobs`, where every change is a transition of a job's small state machine):
+
+- the claim loop (`Worker.run`, the calling thread): claims as many rows as the runner can
+  start at once, of every kind, in the claim's fair order; abandons attempts past their
+  deadline; decides when a drain is over;
+- the runner (`runner.Runner`): runs the enrichment of each unit of jobs on a thread of
+  its own and hands each job's settlement to the settler;
+- the settler (`settler.Settler`): settles in groups, one transaction each;
+- the heartbeat (`heartbeat.Heartbeat`): extends the leases still needed;
+- the listener (`listener.listen`): wakes the claim loop on NOTIFY.
+
+Every thread runs under a supervisor: an error a part cannot handle itself (a bug) is
+logged, counted in `enrichq_worker_errors_total{thread}` and stops the worker with stop
+reason `error`, so `enrichq worker` exits 1 and its supervisor restarts it, never a silent
+hang. Losing the database is survived everywhere: each part backs off and carries on, and
+fencing makes a late settle harmless.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+
+import sqlalchemy as sa
+import sqlalchemy.exc as sa_exc
+
+from enrichq_schema import runlog
+from enrichq_schema.errors import constraint_name
+from enrichq_schema.states import Component, Kind, Outcome, StopReason
+from enrichq_schema.tables import LEASED_KEY_INDEX
+from enrichq_service import metrics
+from enrichq_service import queue as q
+from enrichq_service.enrich import EnricherChoice, choose, error_text, read_tickets
+from enrichq_service.settings import Settings
+from enrichq_service.worker.admission import Admission
+from enrichq_service.worker.db import Backoff, ThreadConnection, is_unavailable
+from enrichq_service.worker.engines import WorkerEngines, build_engines
+from enrichq_service.worker.heartbeat import Heartbeat
+from enrichq_service.worker.lifecycle import Held, Jobs
+from enrichq_service.worker.listener import listen
+from enrichq_service.worker.runner import Runner
+from enrichq_service.worker.settler import Settlement, Settler
+
+log = logging.getLogger(__name__)
+
+KINDS: tuple[str, ...] = (Kind.ENRICH.value, Kind.REFRESH.value)
+# Freed slots are gathered before claiming again: until half are free or the first has
+# waited this long. Claiming the moment one slot frees would shrink every claim and every
+# settle to a job or two, each paying its own round trips; a slow job loses at most this.
+CLAIM_GATHER_SECONDS = 0.02
+# On shutdown, how long the settler may take to flush what it was handed.
+FLUSH_SECONDS = 10.0
+DEADLINE_EXCEEDED = "attempt deadline of {seconds:g} s exceeded"
+SHUT_DOWN_MID_ATTEMPT = "worker shut down mid-attempt"
+
+
+@dataclass
+class RunResult:
+    """How a worker run ended, and what it did (the `enrichq.runs` row)."""
+
+    stop_reason: StopReason = StopReason.NO_WORK
+    counts: Counter[str] = field(default_factory=Counter)
+    error: str | None = None
+
+
+class Tally:
+    """The run's counts, added to by several threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    def snapshot(self) -> Counter[str]:
+        with self._lock:
+            return Counter(self._counts)
+
+
+def new_owner() -> str:
+    """A lease owner unique to this worker: host, pid and a random suffix."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+class Worker:
+    """One worker process's runtime; `run()` blocks until it stops."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        engine: sa.Engine,
+        *,
+        warehouse: sa.Engine | None = None,
+        claims: sa.Engine | None = None,
+        owner: str | None = None,
+        kinds: Sequence[str] = KINDS,
+        enricher: EnricherChoice | None = None,
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.owner = owner or new_owner()
+        self.kinds = tuple(kinds)
+        self.stop = threading.Event()  # set by a signal or by the embedding process
+        self._wake = threading.Event()
+        self._tally = Tally()
+        self._fatal: str | None = None
+        self._budget_refused = threading.Event()
+        self._claim_conn = ThreadConnection(claims or engine)
+        self.jobs = Jobs(on_lost=self._lost)
+        self.admission = Admission(engine, settings, self.owner)
+        self.settler = Settler(
+            engine, settings, self.owner, self.jobs, counted=self._tally.add, freed=self._wake.set
+        )
+        self.runner = Runner(
+            settings,
+            self.jobs,
+            enricher=enricher or choose(settings),
+            warehouse=warehouse or engine,
+            admission=self.admission,
+            settle=self.settler.put,
+            on_budget_refused=self._budget_refused.set,
+        )
+        self.heartbeat = Heartbeat(engine, settings, self.owner, self.jobs, self.admission)
+        self._free_since: float | None = None
+        metrics.start_counters_at_zero(self.kinds)
+        metrics.oldest_unsettled_seconds.set_function(self.jobs.oldest_unsettled_seconds)
+
+    # -- health, for /healthz and the supervisor
+
+    def health(self) -> str | None:
+        """Why this worker is not healthy, or None: a part stopped on an error, or a
+        settlement has waited longer than a lease (the settler cannot get through)."""
+        if self._fatal is not None:
+            return f"worker stopped: {self._fatal}"
+        waited = self.jobs.oldest_unsettled_seconds()
+        if waited > self.settings.lease_seconds:
+            return f"a result has waited {waited:.0f} s to be settled"
+        return None
+
+    # -- the claim loop
+
+    def run(self, *, drain: bool = False, time_budget: float | None = None) -> RunResult:
+        """Work until stopped, out of time budget, or (with `drain`) out of visible work."""
+        run_id = self._start_run()
+        started = time.monotonic()
+        parts_stop = threading.Event()  # heartbeat and listener
+        settler_stop, settler_give_up = threading.Event(), threading.Event()
+        threads = [
+            self._supervised("settler", lambda: self.settler.run(settler_stop, settler_give_up)),
+            self._supervised("heartbeat", lambda: self.heartbeat.run(parts_stop)),
+            self._supervised(
+                "listener",
+                lambda: listen(
+                    self.engine.url.render_as_string(hide_password=False),
+                    self._wake.set,
+                    parts_stop,
+                ),
+            ),
+        ]
+        result = RunResult()
+        try:
+            result.stop_reason, result.error = self._claim_loop(drain, time_budget, started)
+        except Exception as exc:
+            log.exception("worker stopped by an unexpected error")
+            metrics.worker_errors_total.labels("claims").inc()
+            result.stop_reason, result.error = StopReason.ERROR, error_text(exc)
+        finally:
+            self._claim_conn.close()
+            self._wind_down(settler_stop, settler_give_up)
+            parts_stop.set()
+            for t in threads:
+                t.join(timeout=10)
+            self.runner.shutdown()
+            result.counts = self._tally.snapshot()
+            self._finish_run(run_id, result)
+        return result
+
+    def _claim_loop(
+        self, drain: bool, time_budget: float | None, started: float
+    ) -> tuple[StopReason, str | None]:
+        """Claim until a reason to stop; that reason (and the error, for `error`)."""
+        backoff = Backoff()
+        while True:
+            if self.stop.is_set():
+                return StopReason.SHUTDOWN, None
+            if self.runner.errors and self._fatal is None:
+                self._fatal = f"runner: {error_text(self.runner.errors[0])}"
+            if self._fatal is not None:
+                return StopReason.ERROR, self._fatal
+            if time_budget is not None and time.monotonic() - started >= time_budget:
+                return StopReason.TIME_BUDGET, None
+            self._expire(time.monotonic())
+            # Read before the claim: a settle that commits during the claim (after its
+            # snapshot) may put a row back in the queue that this claim cannot see yet.
+            idle_before = not len(self.jobs) and not self.settler.pending()
+            try:
+                claimed = self._claim_round()
+                backoff.reset()
+            except sa_exc.SQLAlchemyError as exc:
+                if not is_unavailable(exc):
+                    raise
+                log.warning("claim failed (%s); retrying", error_text(exc))
+                self.stop.wait(backoff.next())
+                continue
+            if claimed:
+                continue
+            if drain and idle_before:
+                if self._budget_refused.is_set():
+                    return StopReason.BUDGET_EXHAUSTED, None
+                return StopReason.NO_WORK, None
+            self._wake.wait(self._idle_wait())
+            self._wake.clear()
+
+    def _claim_round(self) -> bool:
+        """Claim as many rows as can start at once and hand them to the runner; whether it
+        claimed anything (or should claim again at once)."""
+        free = self.runner.capacity()
+        if free <= 0:
+            self._free_since = None
+            return False
+        now = time.monotonic()
+        if self._free_since is None:
+            self._free_since = now
+        held_now = len(self.jobs)
+        gathering = held_now and free * 2 < self.settings.concurrency
+        if gathering and now - self._free_since < CLAIM_GATHER_SECONDS:
+            return False
+        try:
+            with self._claim_conn.begin() as conn:
+                jobs = q.claim(
+                    conn,
+                    kinds=self.kinds,
+                    owner=self.owner,
+                    limit=free,
+                    lease_seconds=self.settings.lease_seconds,
+                    aging_seconds=self.settings.priority_aging_seconds,
+                )
+                tickets = read_tickets(conn, self.settings, sorted({j.key for j in jobs}))
+        except sa_exc.IntegrityError as exc:
+            if constraint_name(exc) != LEASED_KEY_INDEX:
+                raise
+            return True  # another claim of a key committed after this one's snapshot
+        received = time.monotonic()
+        if not jobs:
+            return False
+        deadline = received + self.settings.attempt_deadline_seconds
+        batch = [Held(j, tickets.get(j.key), deadline, claimed_at=received) for j in jobs]
+        self.jobs.add(batch)
+        self._free_since = None
+        metrics.jobs_in_flight.set(len(self.jobs))
+        self._tally.add("claimed", len(jobs))
+        self.runner.submit(batch)
+        return True
+
+    def _expire(self, now: float) -> None:
+        """Hand attempts past their deadline to the settler: one that never started is
+        deferred with its attempt given back, one that runs is retried (and told to stop)."""
+        never, running = self.jobs.overdue(now)
+        self._hand(
+            never, running, DEADLINE_EXCEEDED.format(seconds=self.settings.attempt_deadline_seconds)
+        )
+
+    def _hand(self, never: list[Held], running: list[Held], error: str) -> None:
+        for held in never:
+            self.settler.put(Settlement(held, q.SettleAction.DEFER))
+        for held in running:
+            self.settler.put(Settlement(held, q.SettleAction.RETRY, error=error))
+
+    def _idle_wait(self) -> float:
+        wait = self.settings.poll_seconds
+        if self._free_since is not None and len(self.jobs):
+            wait = min(wait, CLAIM_GATHER_SECONDS)
+        nearest = self.jobs.nearest_deadline()
+        if nearest is not None:
+            wait = min(wait, max(0.01, nearest - time.monotonic()))
+        return wait
+
+    def _lost(self, held: Held) -> None:
+        """The heartbeat found a lease gone (someone else's now): count it once."""
+        metrics.heartbeat_lost_leases_total.inc()
+        metrics.job_outcomes_total.labels(held.job.kind, Outcome.LOST.value).inc()
+        self._tally.add(Outcome.LOST.value)
+        self._wake.set()
+
+    # -- the parts' threads
+
+    def _supervised(self, name: str, body: Callable[[], None]) -> threading.Thread:
+        def run() -> None:
+            try:
+                body()
+            except BaseException as exc:
+                log.exception("the worker's %s stopped on an error", name)
+                metrics.worker_errors_total.labels(name).inc()
+                if self._fatal is None:
+                    self._fatal = f"{name}: {error_text(exc)}"
+                self._wake.set()
+
+        thread = threading.Thread(target=run, name=f"enrichq-{name}", daemon=True)
+        thread.start()
+        return thread
+
+    # -- stopping
+
+    def _wind_down(self, settler_stop: threading.Event, give_up: threading.Event) -> None:
+        """Let in-flight work finish within the grace period; give the rest back."""
+        deadline = time.monotonic() + self.settings.shutdown_grace_seconds
+        while len(self.jobs) and time.monotonic() < deadline and self._fatal is None:
+            self._expire(time.monotonic())
+            self._wake.wait(0.05)
+            self._wake.clear()
+        never, running = self.jobs.overdue(float("inf"))
+        self._hand(never, running, SHUT_DOWN_MID_ATTEMPT)
+        settler_stop.set()
+        flush_deadline = time.monotonic() + FLUSH_SECONDS
+        while (len(self.jobs) or self.settler.pending()) and time.monotonic() < flush_deadline:
+            time.sleep(0.02)
+        give_up.set()
+
+    def _start_run(self) -> int | None:
+        try:
+            with self.engine.begin() as conn:
+                return runlog.start(conn, Component.WORKER, self.owner)
+        except sa_exc.SQLAlchemyError as exc:
+            log.warning("could not write the run log (%s)", error_text(exc))
+            return None
+
+    def _finish_run(self, run_id: int | None, result: RunResult) -> None:
+        if run_id is None:
+            return
+        for attempt in range(3):
+            try:
+                with self.engine.begin() as conn:
+                    runlog.finish(
+                        conn, run_id, result.stop_reason, dict(result.counts), result.error
+                    )
+                return
+            except sa_exc.SQLAlchemyError as exc:
+                log.warning("could not finish the run log (%s)", error_text(exc))
+                time.sleep(0.5 * (attempt + 1))
+
+
+@contextlib.contextmanager
+def stop_on_signals(stop: threading.Event) -> Iterator[None]:
+    """SIGTERM and SIGINT stop the worker gracefully (main thread only)."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        log.info("received %s: finishing in-flight work", signal.Signals(signum).name)
+        stop.set()
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def worker_process(settings: Settings, url: str) -> Iterator[tuple[Worker, WorkerEngines]]:
+    """A worker wired as every process that runs one has it (`worker`, `serve`, `demo`):
+    its engines, the build info and queue gauges of /metrics, the worker itself."""
+    from enrichq_service.observe import register_queue_collector, set_build_info
+
+    engines = build_engines(settings, url)
+    try:
+        set_build_info(settings.mode.value)
+        register_queue_collector(engines.queue)
+        worker = Worker(settings, engines.queue, warehouse=engines.warehouse, claims=engines.claims)
+        yield worker, engines
+    finally:
+        engines.dispose()
+
+
+def run_worker(
+    settings: Settings, url: str, *, drain: bool = False, time_budget: float | None = None
+) -> int:
+    """`enrichq worker`: run until stopped; exit 0 on a healthy stop, 1 on an error."""
+    from enrichq_service.observe import start_metrics_server
+
+    with worker_process(settings, url) as (worker, _):
+        start_metrics_server(settings.metrics_port)
+        with stop_on_signals(worker.stop):
+            result = worker.run(drain=drain, time_budget=time_budget)
+    log.info("worker stopped: %s %s", result.stop_reason.value, dict(result.counts))
+    if result.stop_reason is StopReason.ERROR:
+        print(f"enrichq: worker stopped on an error: {result.error}", file=sys.stderr)
+        return 1
+    return 0

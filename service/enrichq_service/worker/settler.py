@@ -1,0 +1,217 @@
+"""The settler: settles finished jobs in groups, one transaction per group.
+
+A group's transaction runs the fenced settle statement for every job in it, writes the
+results of exactly the completes that won, and records every lookup once per claim
+(charging the budget ledger for what it recorded, releasing the lookups' admissions).
+
+When a group's transaction fails:
+
+- for want of the database (a connection lost, the server restarting, a statement timed
+  out), the group is tried again after a backoff. Its COMMIT may have reached the server
+  and only the reply been lost: running it again changes nothing twice (the settle is
+  fenced, lookups are recorded once per claim), and a job the second run finds settled is
+  read back, so its outcome is what really happened, not "lost";
+- for anything else (the database refused a value, a bug in a plug-in's result that
+  validation missed), the group is settled again one job per transaction, so only the
+  guilty job is affected: its result refused is recorded as a failure naming the error.
+
+Nothing else changes the settler's state; it owns its connection and its queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue as stdqueue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime
+
+import sqlalchemy as sa
+import sqlalchemy.exc as sa_exc
+
+from enrichq_schema.states import Outcome
+from enrichq_service import metrics
+from enrichq_service import queue as q
+from enrichq_service.enrich import Lookup, Result, error_text, log_lookups, write_results
+from enrichq_service.settings import Settings
+from enrichq_service.worker.db import Backoff, ThreadConnection, is_unavailable
+from enrichq_service.worker.lifecycle import Held, Jobs
+
+log = logging.getLogger(__name__)
+
+GROUP_SIZE = 50
+GROUP_SECONDS = 0.005  # a group is flushed when full or this old
+
+
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    """What to do with one held job: settle it by `action`, and record its lookup.
+
+    `action` None: nothing to settle (the job was abandoned or lost meanwhile, its outcome
+    already counted); only its lookup is recorded and charged.
+    """
+
+    held: Held
+    action: q.SettleAction | None
+    result: Result | None = None
+    error: str | None = None
+    until: datetime | None = None
+    lookup: Lookup | None = None
+
+    def settle(self) -> q.Settle | None:
+        if self.action is None:
+            return None
+        return q.Settle(self.held.job, self.action, error=self.error, until=self.until)
+
+
+class Settler:
+    """Settles what the runner and the claim loop hand it, in groups, until stopped."""
+
+    def __init__(
+        self,
+        engine: sa.Engine,
+        settings: Settings,
+        owner: str,
+        jobs: Jobs,
+        *,
+        counted: Callable[[str, int], None],
+        freed: Callable[[], None],
+    ) -> None:
+        self._conn = ThreadConnection(engine)
+        self._settings = settings
+        self._owner = owner
+        self._jobs = jobs
+        self._counted = counted
+        self._freed = freed
+        self._queue: stdqueue.Queue[Settlement] = stdqueue.Queue()
+        self._maybe_settled = False  # the last attempt at the pending group may have committed
+
+    def put(self, settlement: Settlement) -> None:
+        self._queue.put(settlement)
+
+    def pending(self) -> int:
+        return self._queue.qsize()
+
+    def run(self, stop: threading.Event, give_up: threading.Event) -> None:
+        """Settle until `stop` is set and nothing is left, or `give_up` is set (the runtime's
+        supervisor runs it; on shutdown it gives up after a bounded wait)."""
+        backoff = Backoff()
+        group: list[Settlement] = []
+        try:
+            while not give_up.is_set():
+                if not group:
+                    try:
+                        group.append(self._queue.get(timeout=0.1))
+                    except stdqueue.Empty:
+                        if stop.is_set():
+                            return
+                        continue
+                first_at = time.monotonic()
+                while len(group) < GROUP_SIZE:
+                    left = GROUP_SECONDS - (time.monotonic() - first_at)
+                    try:
+                        group.append(self._queue.get(timeout=max(left, 0)))
+                    except stdqueue.Empty:
+                        break
+                try:
+                    self.flush(group)
+                except sa_exc.SQLAlchemyError as exc:
+                    if not is_unavailable(exc):
+                        raise
+                    self._maybe_settled = True
+                    log.warning("settle failed (%s); retrying", error_text(exc))
+                    give_up.wait(backoff.next())
+                    continue
+                group = []
+                backoff.reset()
+        finally:
+            self._conn.close()
+
+    def flush(self, group: Sequence[Settlement]) -> None:
+        """Settle a group; split it when the database refuses it for its contents."""
+        try:
+            outcomes = self._settle(group)
+        except sa_exc.SQLAlchemyError as exc:
+            if is_unavailable(exc):
+                raise
+            log.warning(
+                "a settle group was refused (%s); settling its jobs one by one", error_text(exc)
+            )
+            outcomes = {}
+            for one in group:
+                outcomes.update(self._settle_alone(one))
+        self._maybe_settled = False
+        self._account(group, outcomes)
+
+    def _settle_alone(self, settlement: Settlement) -> dict[int, Outcome]:
+        """One job in a transaction of its own; a result the database refuses becomes a
+        failure that names the refusal (its lookup still recorded)."""
+        try:
+            return self._settle([settlement])
+        except sa_exc.SQLAlchemyError as exc:
+            if is_unavailable(exc) or settlement.action is None:
+                raise
+            refused = f"the database refused this job's result: {error_text(exc)}"
+            log.warning("queue row %d: %s", settlement.held.id, refused)
+            failed = replace(
+                settlement, action=q.SettleAction.FAIL, result=None, error=refused, until=None
+            )
+            try:
+                return self._settle([failed])
+            except sa_exc.SQLAlchemyError as again:
+                if is_unavailable(again):
+                    raise
+                # nothing of it can be stored: leave the row to its lease and the sweeper
+                log.error(
+                    "queue row %d cannot be settled: %s", settlement.held.id, error_text(again)
+                )
+                metrics.worker_errors_total.labels("settler").inc()
+                return {}
+
+    def _settle(self, group: Sequence[Settlement]) -> dict[int, Outcome]:
+        settles = [s for s in (g.settle() for g in group) if s is not None]
+        with self._conn.begin() as conn:
+            outcomes = q.settle(
+                conn,
+                owner=self._owner,
+                settles=settles,
+                backoff_base_seconds=self._settings.backoff_base_seconds,
+                backoff_cap_seconds=self._settings.backoff_cap_seconds,
+            )
+            write_results(
+                conn,
+                [
+                    g.result
+                    for g in group
+                    if g.result is not None and outcomes.get(g.held.id) is Outcome.DONE
+                ],
+            )
+            log_lookups(conn, [g.lookup for g in group if g.lookup is not None], now=None)
+            if self._maybe_settled:
+                # a retry after a COMMIT whose reply was lost: what did that COMMIT do?
+                refused = [s for s in settles if s.job.id not in outcomes]
+                outcomes.update(q.read_back(conn, refused))
+        return outcomes
+
+    def _account(self, group: Sequence[Settlement], outcomes: dict[int, Outcome]) -> None:
+        now = time.monotonic()
+        tally: Counter[str] = Counter()
+        settled: list[Held] = []
+        for s in group:
+            if s.action is None:
+                continue  # a late lookup: its job's outcome was counted when it was let go
+            job = s.held.job
+            outcome = outcomes.get(job.id, Outcome.LOST)
+            tally[outcome.value] += 1
+            metrics.job_outcomes_total.labels(job.kind, outcome.value).inc()
+            metrics.job_duration_seconds.labels(job.kind, outcome.value).observe(
+                now - s.held.claimed_at
+            )
+            settled.append(s.held)
+        self._jobs.settled(settled)
+        for name, n in tally.items():
+            self._counted(name, n)
+        self._freed()

@@ -1,0 +1,91 @@
+"""A TCP proxy in front of PostgreSQL that can lose the reply to a COMMIT.
+
+Everything is forwarded both ways, byte for byte. Once a client connection has sent a
+message containing `trigger` (some text of the statement whose transaction should be cut),
+the proxy watches that connection's server replies for the CommandComplete of `COMMIT`
+and, instead of forwarding it, closes both sockets: the server has committed, the client
+sees its connection die in the middle of COMMIT. That is the ambiguous commit a network
+drop causes, made deterministic. It cuts `times` such commits, then forwards everything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import threading
+from collections.abc import Iterator
+
+# CommandComplete ('C'), length 11 (4 + "COMMIT\0"), tag "COMMIT"
+COMMIT_COMPLETE = b"C\x00\x00\x00\x0bCOMMIT\x00"
+BUFFER = 65536
+
+
+class CommitCutter:
+    """Listens on 127.0.0.1:`port` (0 = pick one) and forwards to `target`."""
+
+    def __init__(self, target: tuple[str, int], trigger: bytes, *, times: int = 1) -> None:
+        self.target = target
+        self.trigger = trigger
+        self.left = times
+        self.cut = 0
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._accept, name="commit-cutter", daemon=True)
+
+    def __enter__(self) -> CommitCutter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._closed.set()
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            threading.Thread(target=self._pump, args=(client, server), daemon=True).start()
+
+    def _take_cut(self) -> bool:
+        with self._lock:
+            if self.left <= 0:
+                return False
+            self.left -= 1
+            self.cut += 1
+            return True
+
+    def _pump(self, client: socket.socket, server: socket.socket) -> None:
+        armed = False
+        with contextlib.closing(client), contextlib.closing(server):
+            while not self._closed.is_set():
+                ready, _, _ = select.select([client, server], [], [], 0.5)
+                for sock in ready:
+                    data = sock.recv(BUFFER)
+                    if not data:
+                        return
+                    if sock is client:
+                        if self.trigger in data:
+                            armed = True
+                        server.sendall(data)
+                    elif armed and COMMIT_COMPLETE in data and self._take_cut():
+                        return  # the server committed; the client never hears it
+                    else:
+                        client.sendall(data)
+
+
+@contextlib.contextmanager
+def cutting(url: str, trigger: bytes, *, times: int = 1) -> Iterator[tuple[str, CommitCutter]]:
+    """A URL like `url` that goes through a CommitCutter, and the cutter."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    target = (parsed.host or "127.0.0.1", parsed.port or 5432)
+    with CommitCutter(target, trigger, times=times) as cutter:
+        proxied = parsed.set(host="127.0.0.1", port=cutter.port)
+        yield proxied.render_as_string(hide_password=False), cutter
