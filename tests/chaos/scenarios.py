@@ -29,6 +29,7 @@ from enrichq_schema.db import create_engine
 from enrichq_service import queue, seed
 from enrichq_service.queue import EnqueueRequest
 from tests.conftest import make_settings
+from tests.support.enrichers import BAD_FIELDS, bad_data_fate
 from tests.support.procs import enrichq_env, spawn, stop, wait_for
 
 AUDIT = """
@@ -130,12 +131,16 @@ class Fleet:
         self.sweeper = spawn(["sweep"], self.env, log=self.logs / f"sweep-{self._n}.log")
 
     def revive(self) -> int:
-        """Restart workers that died on their own (a poison ticket); how many."""
+        """Restart, as a supervisor would, workers that died on their own (a poison ticket)
+        and a sweeper that exited (one that starts while the database is down says so and
+        exits non-zero); how many workers."""
         revived = 0
         for i, w in enumerate(self.workers):
             if w.poll() is not None:
                 self.workers[i] = self.start_worker()
                 revived += 1
+        if self.sweeper is not None and self.sweeper.poll() is not None:
+            self.start_sweeper()
         return revived
 
     def stop_all(self) -> None:
@@ -524,6 +529,62 @@ def sweeper_killed(db_url: str, logs: Path, tickets: int, rng: random.Random) ->
         engine.dispose()
 
 
+def bad_data(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outcome:
+    """About 1% of lookups return an invalid result (each kind in turn) and 1% hang past
+    the attempt deadline on their first start, while workers are killed with SIGKILL."""
+    engine = create_engine(db_url)
+    out = Outcome("bad data: invalid results, hangs, kill -9", tickets)
+    started = logs / "started"
+    started.mkdir()
+    try:
+        keys = prepare(engine, tickets)
+        fates = {k: bad_data_fate(k) for k in keys}
+        bad = {k: fate for k, fate in fates.items() if fate in BAD_FIELDS}
+        hung = [k for k, fate in fates.items() if fate == "hang"]
+        start = time.monotonic()
+        with fleet(
+            db_url,
+            logs,
+            enricher="tests.support.enrichers:bad_data",
+            attempt_deadline_seconds=2,
+            ENRICHQ_TEST_STARTED_DIR=started,
+        ) as f:
+            f.start_sweeper()
+            kills = max(3, tickets // 100)
+            while not quiet(engine) and out.faults < kills:
+                time.sleep(rng.uniform(0.5, 1.5))
+                i = rng.randrange(len(f.workers))
+                f.workers[i].kill()
+                f.workers[i].wait(10)
+                out.faults += 1
+                f.workers[i] = f.start_worker()
+            fault_end = time.monotonic()
+            drained(engine, f)
+            out.recover_seconds.append(time.monotonic() - fault_end)
+            # with nothing left, a draining worker exits on its own, and cleanly
+            drain = spawn(["worker", "--drain"], f.env, log=logs / "drain.log")
+            drain_exit = drain.wait(120)
+        out.seconds = time.monotonic() - start
+        out.faults += len(bad) + len(hung)
+        settled = q(
+            engine,
+            "SELECT key, state, last_error FROM enrichq.queue WHERE key = ANY(:keys)",
+            keys=list(bad),
+        )
+        wrong = sorted(
+            key
+            for key, state, error in settled
+            if state != "failed" or BAD_FIELDS[bad[key]] not in (error or "")
+        )
+        out.notes = (
+            f"{len(bad)} invalid results failed naming their field, {len(hung)} hung once"
+            f" then done; wrongly settled: {wrong}; `worker --drain` exit {drain_exit}"
+        )
+        return check(engine, out, poison=tuple(bad))
+    finally:
+        engine.dispose()
+
+
 SCENARIOS: dict[str, Callable[[str, Path, int, random.Random], Outcome]] = {
     "kill_9": kill_9,
     "freeze": freeze,
@@ -532,4 +593,5 @@ SCENARIOS: dict[str, Callable[[str, Path, int, random.Random], Outcome]] = {
     "slow_warehouse": slow_warehouse,
     "sweeper_killed": sweeper_killed,
     "poison": poison,
+    "bad_data": bad_data,
 }

@@ -30,6 +30,9 @@ def test_scenario_keeps_the_promise(name: str, db_url: str, tmp_path: Path) -> N
     if name == "poison":
         assert outcome.notes == "POISON: [('dead_letter', 'attempts_exhausted', 3)]"
         assert outcome.dead_letters == 1
+    elif name == "bad_data":
+        assert "wrongly settled: []; `worker --drain` exit 0" in outcome.notes
+        assert outcome.dead_letters == 0
     elif name == "slow_warehouse":
         assert outcome.notes == "claims beyond the first: 0"
     elif name != "sweeper_killed":
