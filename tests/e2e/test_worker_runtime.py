@@ -283,7 +283,8 @@ def test_two_workers_overspend_the_daily_budget_by_at_most_one_lookup_each(
         ENRICHQ_TEST_SLOW_SECONDS=0.5,
     )
     workers = [spawn(["worker", "--drain"], env, log=tmp_path / f"w{i}.log") for i in range(2)]
-    assert [w.wait(120) for w in workers] == [0, 0]
+    codes = [w.wait(120) for w in workers]
+    assert codes == [0, 0], [(tmp_path / f"w{i}.log").read_text() for i in range(2)]
     [(billed, lookups)] = q(db_engine, "SELECT bytes_billed, lookups FROM enrichq.budget_ledger")
     assert billed <= 100 + 2 * 60, f"{billed} bytes charged against a budget of 100"
     assert billed == 60 * lookups

@@ -125,7 +125,7 @@ SELECT pg_advisory_xact_lock(CAST(:lock_space AS int), 0);
 -- Admits one warehouse lookup as :token, of :owner, unless the fleet-wide cap (:cap, 0 =
 -- none) has no free slot or today's budget (:budget, 0 = none) is spent, counting the bytes
 -- reserved by the lookups in flight. It reserves :expected bytes (NULL: the latest day's
--- average lookup) until its settle releases them, or until :lease_seconds pass without its
+-- average lookup, else the largest known cost in flight) until its settle releases them, or until :lease_seconds pass without its
 -- owner's heartbeat (a slot whose holder died is free again within one lease). Returns why
 -- it was refused ('cap', 'budget' or NULL), the bytes reserved, the database time, and when
 -- the budget's day resets.
@@ -140,7 +140,8 @@ ledger AS (
     FROM clock
 ),
 live AS (
-    SELECT count(*) AS slots, coalesce(sum(f.reserved_bytes), 0) AS reserved
+    SELECT count(*) AS slots, coalesce(sum(f.reserved_bytes), 0) AS reserved,
+           max(nullif(f.reserved_bytes, 0)) AS largest
     FROM enrichq.lookups_in_flight AS f
     CROSS JOIN clock
     WHERE f.expires_at > clock.now
@@ -149,7 +150,9 @@ verdict AS (
     SELECT CASE WHEN :cap > 0 AND live.slots >= :cap THEN 'cap'
                 WHEN :budget > 0 AND ledger.spent + live.reserved >= :budget THEN 'budget'
            END AS refused,
-           coalesce(CAST(:expected AS bigint), ledger.average, 0) AS expected
+           -- before the ledger knows an average: what a lookup that ran and is not
+           -- settled yet really cost (0 = unknown: one such lookup per worker at a time)
+           coalesce(CAST(:expected AS bigint), ledger.average, live.largest, 0) AS expected
     FROM ledger, live
 ),
 taken AS (

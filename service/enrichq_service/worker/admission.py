@@ -9,10 +9,11 @@ bytes reserved by the lookups in flight reach the budget. The settle that charge
 lookup's real bytes releases the row in the same transaction; a worker that dies leaves
 its rows behind only until they expire, one lease after its last heartbeat.
 
-The expected cost of a lookup is the latest day's average (the ledger knows it). With no
-history at all, a worker admits one lookup at a time until its first one has cost
-something; that lookup then reserves what it really cost, before its settle. So the fleet
-overspends its budget by at most one lookup per worker.
+The expected cost of a lookup is the latest day's average (the ledger knows it), or,
+before any lookup was charged, the real cost of a lookup that ran and is not settled yet.
+With nothing known at all, a worker admits one lookup at a time until its first one has
+cost something; that lookup then reserves what it really cost, before its settle. So the
+fleet overspends its budget by at most one lookup per worker.
 
 With neither a budget nor a cap, nothing is admitted and nothing is written: a lookup
 just runs.
