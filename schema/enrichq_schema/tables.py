@@ -12,6 +12,7 @@ from enrichq_schema.states import (
     AuditCommand,
     Component,
     DeadReason,
+    Kind,
     Plan,
     Reason,
     State,
@@ -407,6 +408,23 @@ audit_log = sa.Table(
     sa.CheckConstraint(_one_of("command", AuditCommand), name="command_known"),
     sa.CheckConstraint("rows_affected >= 0", name="rows_affected_non_negative"),
     sa.CheckConstraint("finished_at IS NULL OR finished_at >= at", name="finished_after_start"),
+)
+
+# Claims stopped by an operator (`enrichq pause`), per scope: a kind, a tenant, both, or
+# neither (NULL matches every kind or every tenant). The claim skips every (kind, tenant)
+# pair a pause covers before reading any of its rows; ingest goes on. `enrichq resume`
+# deletes the row. One row per scope (NULLs compare equal).
+pauses = sa.Table(
+    "pauses",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(always=True), primary_key=True),
+    sa.Column("kind", sa.Text),
+    sa.Column("tenant", sa.Text),
+    sa.Column("reason", sa.Text),
+    sa.Column("paused_by", sa.Text, nullable=False),
+    sa.Column("paused_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+    sa.UniqueConstraint("kind", "tenant", postgresql_nulls_not_distinct=True),
+    sa.CheckConstraint(f"kind IS NULL OR {_one_of('kind', Kind)}", name="kind_known"),
 )
 
 # The tenants whose consumers read enrichq's rows while a cutover is staged: the consumer

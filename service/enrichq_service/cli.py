@@ -335,6 +335,89 @@ def cancel(ctx: Context, /, **options: Any) -> None:
     _control(ctx, "cancel", options)
 
 
+PAUSE_HELP = """
+A pause stops claims, not ingest: events still enqueue and merge, and leases already held
+finish normally. Running workers obey it at their next claim (within
+ENRICHQ_POLL_SECONDS), with no restart. `enrichq status` lists the pauses in place.
+"""
+
+
+def _pause_scope(command: str, kind: str | None, tenant: str | None) -> Any:
+    from enrichq_sweeper.pauses import PauseError, Scope
+
+    try:
+        return Scope.build(kind=kind, tenant=tenant)
+    except PauseError as exc:
+        fail(f"{command}: {exc}; nothing changed")
+
+
+def _actor(command: str, actor: str | None) -> str:
+    from enrichq_schema.audit import AuditInputError, check_actor, default_actor
+
+    try:
+        return check_actor(actor or default_actor())
+    except AuditInputError as exc:
+        fail(f"{command}: {exc}; nothing changed")
+
+
+@cli.command(epilog=PAUSE_HELP)
+@click.option("--kind", type=click.Choice([k.value for k in Kind]), help="Only this kind.")
+@click.option("--tenant", default=None, help="Only this brand or account.")
+@click.option("--reason", default=None, help="Why (shown by status and the audit log).")
+@click.option("--actor", default=None, help="Who does this (default: the OS user).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@pass_context
+def pause(
+    ctx: Context,
+    *,
+    kind: str | None,
+    tenant: str | None,
+    reason: str | None,
+    actor: str | None,
+    as_json: bool,
+) -> None:
+    """Stop workers claiming work of a kind, a tenant, both, or (neither given) all work."""
+    from enrichq_sweeper.pauses import PauseError, check_reason, pause_cli
+
+    scope = _pause_scope("pause", kind, tenant)
+    who = _actor("pause", actor)
+    try:
+        reason = check_reason(reason)
+    except PauseError as exc:
+        fail(f"pause: {exc}; nothing changed")
+    ctx.settings  # noqa: B018 -- logging and settings errors before any connection
+    with ctx.database() as url:
+        sys.exit(pause_cli(url, scope, actor=who, reason=reason, as_json=as_json))
+
+
+@cli.command(epilog=PAUSE_HELP)
+@click.option("--kind", type=click.Choice([k.value for k in Kind]), help="The paused kind.")
+@click.option("--tenant", default=None, help="The paused brand or account.")
+@click.option("--all", "all_pauses", is_flag=True, help="Every pause in place (alone).")
+@click.option("--actor", default=None, help="Who does this (default: the OS user).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@pass_context
+def resume(
+    ctx: Context,
+    *,
+    kind: str | None,
+    tenant: str | None,
+    all_pauses: bool,
+    actor: str | None,
+    as_json: bool,
+) -> None:
+    """Resume the pause of exactly this scope (as it was paused), or --all of them."""
+    from enrichq_sweeper.pauses import resume_cli
+
+    if all_pauses and (kind is not None or tenant is not None):
+        fail("resume: --all stands alone (no --kind or --tenant); nothing changed")
+    scope = None if all_pauses else _pause_scope("resume", kind, tenant)
+    who = _actor("resume", actor)
+    ctx.settings  # noqa: B018 -- logging and settings errors before any connection
+    with ctx.database() as url:
+        sys.exit(resume_cli(url, scope, actor=who, as_json=as_json))
+
+
 @cli.command()
 @click.option("--limit", type=click.IntRange(min=1, max=10_000), default=50, show_default=True)
 @click.option("--command", "command", type=click.Choice([c.value for c in AuditCommand]))

@@ -35,6 +35,7 @@ from prometheus_client.registry import Collector
 from enrichq_schema.queries import load
 from enrichq_schema.states import DeadReason, Kind, State
 from enrichq_service import metrics
+from enrichq_sweeper import pauses as pause_controls
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ class QueueSnapshot:
     oldest_transaction_age_seconds: float = 0.0
     budget_bytes_billed_today: int = 0
     counted_at: float = 0.0  # unix time of the terminal counts (0 = never counted)
+    # (kind, tenant) of each pause in place ('*' = all) → unix time it began
+    pauses: Mapping[tuple[str, str], float] = field(default_factory=dict)
 
 
 def read_snapshot(conn: sa.Connection, *, now: datetime | None = None) -> QueueSnapshot:
@@ -91,6 +94,10 @@ def read_snapshot(conn: sa.Connection, *, now: datetime | None = None) -> QueueS
     vacuum = conn.execute(SQL("observe_vacuum")).one_or_none()
     oldest_tx = conn.execute(SQL("observe_oldest_transaction")).scalar_one()
     budget = conn.execute(SQL("observe_budget_today"), {"now": now}).scalar_one()
+    pauses = {
+        (p.scope.kind or "*", p.scope.tenant or "*"): p.paused_at.timestamp()
+        for p in pause_controls.in_place(conn, now=now)
+    }
     return QueueSnapshot(
         rows=rows,
         dead_letters=dead,
@@ -106,6 +113,7 @@ def read_snapshot(conn: sa.Connection, *, now: datetime | None = None) -> QueueS
         oldest_transaction_age_seconds=float(oldest_tx),
         budget_bytes_billed_today=int(budget),
         counted_at=counted_at,
+        pauses=pauses,
     )
 
 
@@ -167,6 +175,20 @@ def families(snapshot: QueueSnapshot) -> list[Metric]:
             snapshot.budget_bytes_billed_today,
         ),
     ]
+    paused = GaugeMetricFamily(
+        "enrichq_paused",
+        "1 for each pause in place (`enrichq pause`); '*' means every kind or every tenant.",
+        labels=["kind", "tenant"],
+    )
+    paused_since = GaugeMetricFamily(
+        "enrichq_paused_since_timestamp_seconds",
+        "Unix time each pause in place began.",
+        labels=["kind", "tenant"],
+    )
+    for (kind, tenant), since in sorted(snapshot.pauses.items()):
+        paused.add_metric([kind, tenant], 1)
+        paused_since.add_metric([kind, tenant], since)
+    out += [paused, paused_since]
     if snapshot.dead_tuples is not None:
         out.append(
             GaugeMetricFamily(

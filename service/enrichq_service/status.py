@@ -9,6 +9,7 @@ import sqlalchemy as sa
 
 from enrichq_schema.queries import load
 from enrichq_schema.states import State
+from enrichq_sweeper import pauses as pause_controls
 
 SQL = load("enrichq_service", "sql/observe.sql")
 
@@ -22,6 +23,8 @@ class StatusReport:
     live_leases: int = 0
     expired_leases: int = 0
     dead_letters: dict[str, int] = field(default_factory=dict)
+    # each pause in place: kind and tenant (None = every one), reason, by, since, age
+    pauses: list[dict[str, object]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -41,13 +44,18 @@ def collect(conn: sa.Connection, *, now: datetime | None = None) -> StatusReport
     dead: dict[str, int] = {}
     for _kind, reason, n in conn.execute(SQL("observe_dead_letters_by_reason")):
         dead[reason] = dead.get(reason, 0) + int(n)
-    return StatusReport(counts, oldest, int(leases.live), int(leases.expired), dead)
+    pauses = [p.as_json() for p in pause_controls.in_place(conn, now=now)]
+    return StatusReport(counts, oldest, int(leases.live), int(leases.expired), dead, pauses)
 
 
 def render(report: StatusReport) -> None:
     """Print the report as rich tables."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
+
+    from enrichq_schema.text import printable
+    from enrichq_sweeper.pauses import Scope
 
     console = Console()
     states = [s.value for s in State]
@@ -64,6 +72,13 @@ def render(report: StatusReport) -> None:
     console.print(
         f"leases: {report.live_leases} live, {report.expired_leases} expired (awaiting sweep)"
     )
+    for p in report.pauses:
+        scope = Scope(p["kind"], p["tenant"]).describe()  # type: ignore[arg-type]  # JSON of a Scope
+        why = f": {printable(p['reason'])}" if p["reason"] else ""
+        console.print(
+            f"[bold]PAUSED[/] {escape(scope)} since {p['paused_at']} by"
+            f" {escape(printable(p['paused_by']))}{escape(why)}"
+        )
     if report.dead_letters:
         reasons = ", ".join(f"{r}: {n}" for r, n in sorted(report.dead_letters.items()))
         console.print(f"dead letters by reason: {reasons}")

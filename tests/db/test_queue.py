@@ -11,7 +11,7 @@ import pytest
 import sqlalchemy as sa
 from tests.conftest import make_settings
 
-from enrichq_schema.states import Outcome
+from enrichq_schema.states import Outcome, Plan
 from enrichq_schema.tables import LEASED_KEY_INDEX
 from enrichq_service import queue
 from enrichq_service.queue import EnqueueRequest, Job, QueueInputError
@@ -491,3 +491,43 @@ def test_refresh_is_not_served_only_after_every_enrich_row(
         ("refresh", "maint-1"),
         ("enrich", "plain-2"),
     ]
+
+
+@pytest.mark.parametrize(
+    ("aging_seconds", "starves"), [(60.0, False), (1e9, True)], ids=["aging", "no-aging"]
+)
+def test_a_sustained_higher_plan_backlog_never_starves_a_free_ticket(
+    conn: sa.Connection, cfg: Settings, aging_seconds: float, starves: bool
+) -> None:
+    """A priority-plan ticket becomes visible every 10 s and the claims take one every 10 s,
+    so the priority plan always has fresh visible work. The free ticket rises one plan level
+    per `aging_seconds` it waits, so it is claimed within (levels times aging); with
+    aging out of reach (the control) it waits as long as the backlog lasts."""
+    conn.execute(
+        sa.text(
+            "INSERT INTO enrichq.tenants (tenant, plan, priority)"
+            " VALUES ('vip', 'priority', 2), ('cheap', 'free', 0)"
+        )
+    )
+    put(conn, cfg, "cheap-0", tenant="cheap", delay_seconds=0)
+    bound = len(Plan) * 60.0
+    served_after = None
+    for step in range(int(2 * bound / 10)):
+        now = step * 10.0
+        put(conn, cfg, f"vip-{step}", tenant="vip", delay_seconds=now)
+        [job] = queue.claim(
+            conn,
+            owner="w",
+            limit=1,
+            lease_seconds=LEASE,
+            aging_seconds=aging_seconds,
+            now=at(now + 0.5),
+        )
+        if job.key == "cheap-0":
+            served_after = now + 0.5
+            break
+    if starves:
+        assert served_after is None
+    else:
+        assert served_after is not None
+        assert served_after <= bound, f"the free ticket waited {served_after:.0f} s"

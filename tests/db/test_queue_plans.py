@@ -352,6 +352,38 @@ def test_claim_reads_a_batch_not_the_whole_backlog(history: History, generic: bo
 
 
 @PLANS
+def test_a_paused_backlog_costs_the_claim_nothing(history: History, generic: bool) -> None:
+    """A 5,000-row visible backlog of a paused tenant, ahead of everyone in claim order (the
+    top plan, the oldest rows): the claim reads none of it, so it reads what it would read
+    without that backlog, and leases only unpaused work."""
+    paused_backlog = (
+        "INSERT INTO enrichq.tenants (tenant, plan, priority) VALUES ('loud', 'priority', 2);"
+        "INSERT INTO enrichq.pauses (kind, tenant, paused_by) VALUES (NULL, 'loud', 'ops');"
+        "INSERT INTO enrichq.queue (kind, key, tenant, priority, reason, visible_at,"
+        "  max_attempts)"
+        " SELECT 'enrich', 'P-' || g, 'loud', 2, 'manual',"
+        "  now() - interval '1 day' - make_interval(secs => g), 5"
+        " FROM generate_series(1, 5000) AS g"
+    )
+    with history.engine.connect() as conn, conn.begin() as tx:
+        before = _claim_plan(conn, generic)
+        tx.rollback()
+    with history.engine.connect() as conn, conn.begin() as tx:
+        plan = _claim_plan_with(conn, paused_backlog, generic)
+        leased = conn.execute(
+            sa.text("SELECT count(*) FROM enrichq.queue WHERE tenant = 'loud' AND state = 'leased'")
+        ).scalar_one()
+        tx.rollback()
+    rows_before, _ = work(before, lambda name: name == "queue_claim_idx")
+    rows, _ = work(plan, lambda name: name == "queue_claim_idx")
+    assert leased == 0
+    # the walk steps over the paused tenant with one probe, never through its rows
+    assert rows <= rows_before + 2, (
+        f"{rows:.0f} rows read with the pause, {rows_before:.0f} without"
+    )
+
+
+@PLANS
 def test_claim_probes_live_leases_by_key(history: History, generic: bool) -> None:
     """20,000 live leases on other keys: checking the candidates' keys costs ~a probe each."""
     with history.engine.connect() as conn, conn.begin() as tx:

@@ -24,6 +24,8 @@ COMMANDS = [
     ["dlq", "redrive"],
     ["dlq", "discard"],
     ["cancel"],
+    ["pause"],
+    ["resume"],
     ["audit"],
     ["parity"],
     ["parity", "approve"],
@@ -54,7 +56,7 @@ def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
         assert name in out
     assert "cutover" in out
     assert "demo" in out
-    for name in ("cancel", "audit"):
+    for name in ("cancel", "pause", "resume", "audit"):
         assert name in out
 
 

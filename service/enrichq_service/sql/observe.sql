@@ -81,3 +81,4 @@ WHERE day = CAST(timezone('UTC', coalesce(CAST(:now AS timestamptz), now())) AS 
 -- name: observe_statement_timeout
 -- Caps every statement of this transaction at :timeout (e.g. '2s') so a scrape never hangs.
 SELECT set_config('statement_timeout', :timeout, true);
+

@@ -70,7 +70,8 @@ ORDER BY i.ord;
 -- counts); then oldest visible first. Never a key that has a lease, of any kind: committed
 -- (the leased-key probe), being claimed by another transaction right now (the key's
 -- try-lock), or committed after this statement's snapshot (the leased-key index refuses
--- the second lease: the caller claims again). Attempts + 1 at claim time.
+-- the second lease: the caller claims again). Never a (kind, tenant) an operator paused
+-- (enrichq.pauses). Attempts + 1 at claim time.
 WITH RECURSIVE walk(kind, tenant) AS (
     -- loose index scans on queue_claim_idx: each (kind, tenant) with queued rows,
     -- O(kinds · tenants · log n) whatever the size of the backlog or the history
@@ -119,6 +120,11 @@ ranked AS MATERIALIZED (
           AND b.bucket > clock.now - interval '1 day'
     ) AS s
     WHERE w.tenant IS NOT NULL
+      -- paused by an operator (`enrichq pause`): skipped before any of its rows is read
+      AND NOT EXISTS (
+          SELECT 1 FROM enrichq.pauses AS p
+          WHERE (p.kind IS NULL OR p.kind = w.kind)
+            AND (p.tenant IS NULL OR p.tenant = w.tenant))
     ORDER BY place
 ),
 picked AS (

@@ -233,3 +233,37 @@ SELECT count(*) FILTER (WHERE d.redrive) AS redriven,
        count(*) FILTER (WHERE NOT d.redrive) AS merged
 FROM decided AS d
 CROSS JOIN notified;
+
+
+-- name: controls_pause
+-- Pauses claims of one scope (:kind, :tenant; NULL = every kind / every tenant). Pausing a
+-- scope that is already paused keeps its start (the age alerts read) and who paused it, and
+-- takes the new reason if one is given. `created` says which happened.
+INSERT INTO enrichq.pauses AS p (kind, tenant, reason, paused_by, paused_at)
+VALUES (:kind, :tenant, :reason, :actor, coalesce(CAST(:now AS timestamptz), now()))
+ON CONFLICT ON CONSTRAINT pauses_kind_tenant_key
+DO UPDATE SET reason = coalesce(EXCLUDED.reason, p.reason)
+RETURNING p.kind, p.tenant, p.reason, p.paused_by, p.paused_at, (p.xmax = 0) AS created;
+
+
+-- name: controls_resume
+-- Resumes one scope exactly as it was paused (the pause of every kind of tenant acme is
+-- not resumed by resuming kind enrich alone); the pauses deleted.
+DELETE FROM enrichq.pauses
+WHERE kind IS NOT DISTINCT FROM :kind AND tenant IS NOT DISTINCT FROM :tenant
+RETURNING kind, tenant, reason, paused_by, paused_at;
+
+
+-- name: controls_resume_all
+-- Resumes every pause; the pauses deleted.
+DELETE FROM enrichq.pauses
+RETURNING kind, tenant, reason, paused_by, paused_at;
+
+
+-- name: controls_pauses
+-- Every pause in place, oldest first, with its age on the database clock.
+SELECT kind, tenant, reason, paused_by, paused_at,
+       CAST(extract(epoch FROM coalesce(CAST(:now AS timestamptz), now()) - paused_at)
+            AS float8) AS age_seconds
+FROM enrichq.pauses
+ORDER BY paused_at, id;

@@ -1,0 +1,247 @@
+"""Pause and resume: claims stopped by an operator, per kind and tenant (DESIGN §3).
+
+A pause is a row of `enrichq.pauses` with a scope: a kind, a tenant, both, or neither
+(NULL matches every kind or every tenant). Every claim skips the (kind, tenant) pairs a
+pause covers before reading any of their rows, so running workers obey a pause at their
+next claim (within one poll interval) without a restart, and a paused backlog costs the
+claim nothing. Ingest goes on: events still enqueue and merge. Leases already held finish
+normally. Resume deletes the pause of exactly the scope given (`--all`: every pause) and
+wakes the workers.
+
+Pausing and resuming are recorded in the audit log in the same transaction.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+
+from enrichq_schema import audit
+from enrichq_schema.errors import EnrichqError
+from enrichq_schema.states import AuditCommand, Kind
+from enrichq_schema.text import printable, unsafe_character
+from enrichq_sweeper import common
+from enrichq_sweeper.controls import sql
+
+REASON_MAX_LENGTH = 500
+TENANT_MAX_LENGTH = 200
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+class PauseError(EnrichqError):
+    """Bad pause or resume input."""
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """What a pause covers: a kind and a tenant, None for every one."""
+
+    kind: str | None = None
+    tenant: str | None = None
+
+    @classmethod
+    def build(cls, *, kind: str | None, tenant: str | None) -> Scope:
+        """A validated scope; PauseError naming the option otherwise."""
+        if kind is not None and kind not in {k.value for k in Kind}:
+            known = ", ".join(k.value for k in Kind)
+            raise PauseError(f"--kind: {kind!r} is not a kind (expected one of: {known})")
+        if tenant is not None:
+            if not tenant.strip() or len(tenant) > TENANT_MAX_LENGTH:
+                raise PauseError(f"--tenant: must be 1 to {TENANT_MAX_LENGTH} characters")
+            if (bad := unsafe_character(tenant)) is not None:
+                raise PauseError(f"--tenant: must not contain control or format characters ({bad})")
+        return cls(kind, tenant)
+
+    def describe(self) -> str:
+        kind = f"kind {self.kind}" if self.kind is not None else "every kind"
+        tenant = f"tenant {printable(self.tenant)}" if self.tenant is not None else "every tenant"
+        return f"{kind}, {tenant}"
+
+    def as_json(self) -> dict[str, str | None]:
+        return {"kind": self.kind, "tenant": self.tenant}
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    """A pause in place."""
+
+    scope: Scope
+    reason: str | None
+    paused_by: str
+    paused_at: datetime
+    age_seconds: float = 0.0
+
+    @classmethod
+    def of(cls, row: sa.Row[Any]) -> Pause:
+        return cls(
+            Scope(row.kind, row.tenant),
+            row.reason,
+            row.paused_by,
+            row.paused_at,
+            float(getattr(row, "age_seconds", 0.0) or 0.0),
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            **self.scope.as_json(),
+            "reason": self.reason,
+            "paused_by": self.paused_by,
+            "paused_at": self.paused_at.isoformat(),
+            "age_seconds": round(self.age_seconds, 1),
+        }
+
+
+def check_reason(reason: str | None) -> str | None:
+    """`reason`, stripped (None when empty); PauseError when too long or unprintable."""
+    if reason is None or not reason.strip():
+        return None
+    reason = reason.strip()
+    if len(reason) > REASON_MAX_LENGTH:
+        raise PauseError(f"--reason: at most {REASON_MAX_LENGTH} characters")
+    if (bad := unsafe_character(reason)) is not None:
+        raise PauseError(f"--reason: must not contain control or format characters ({bad})")
+    return reason
+
+
+def pause(
+    conn: sa.Connection,
+    scope: Scope,
+    *,
+    actor: str,
+    reason: str | None = None,
+    now: datetime | None = None,
+) -> tuple[Pause, bool]:
+    """Pause `scope` in the caller's transaction and audit it; the pause and whether it is
+    new (pausing a paused scope keeps its start and takes the new reason, if any)."""
+    actor = audit.check_actor(actor)
+    row = conn.execute(
+        sql()("controls_pause"),
+        {
+            "kind": scope.kind,
+            "tenant": scope.tenant,
+            "reason": check_reason(reason),
+            "actor": actor,
+            "now": now,
+        },
+    ).one()
+    audit.record(
+        conn,
+        command=AuditCommand.PAUSE,
+        actor=actor,
+        filter=scope.as_json(),
+        rows_affected=1 if row.created else 0,
+        detail={"already_paused": not row.created},
+        note=row.reason,
+        now=now,
+    )
+    return Pause.of(row), bool(row.created)
+
+
+def resume(
+    conn: sa.Connection,
+    scope: Scope | None,
+    *,
+    actor: str,
+    now: datetime | None = None,
+) -> list[Pause]:
+    """Resume the pause of exactly `scope` (None: every pause) in the caller's transaction,
+    audit it and wake the workers; the pauses resumed (none: nothing changed)."""
+    actor = audit.check_actor(actor)
+    if scope is None:
+        rows = conn.execute(sql()("controls_resume_all")).all()
+    else:
+        rows = conn.execute(
+            sql()("controls_resume"), {"kind": scope.kind, "tenant": scope.tenant}
+        ).all()
+    resumed = [Pause.of(r) for r in rows]
+    if not resumed:
+        return []
+    audit.record(
+        conn,
+        command=AuditCommand.RESUME,
+        actor=actor,
+        filter={"all": True} if scope is None else scope.as_json(),
+        rows_affected=len(resumed),
+        detail={"resumed": [p.scope.as_json() for p in resumed]},
+        now=now,
+    )
+    # a resumed scope of every kind wakes the workers of every kind
+    every = [k.value for k in Kind]
+    kinds = sorted({k for p in resumed for k in ([p.scope.kind] if p.scope.kind else every)})
+    for kind in kinds:
+        conn.execute(common.sql()("queue_notify"), {"kind": kind})
+    return resumed
+
+
+def in_place(conn: sa.Connection, *, now: datetime | None = None) -> list[Pause]:
+    """Every pause in place, oldest first."""
+    return [Pause.of(r) for r in conn.execute(sql()("controls_pauses"), {"now": now})]
+
+
+# -- the CLI's entry points (enrichq pause / enrichq resume)
+
+
+def _say(message: str) -> None:
+    print(f"enrichq: {message}", file=sys.stderr)
+
+
+def _listing(pauses: Sequence[Pause]) -> str:
+    return "; ".join(p.scope.describe() for p in pauses) or "nothing"
+
+
+def pause_cli(url: str, scope: Scope, *, actor: str, reason: str | None, as_json: bool) -> int:
+    """`enrichq pause`: pause, print what is paused now; the exit code."""
+    from enrichq_schema.db import create_engine
+
+    engine = create_engine(url, application_name="enrichq-pause", pool_size=1)
+    try:
+        with engine.begin() as conn:
+            done, created = pause(conn, scope, actor=actor, reason=reason)
+    finally:
+        engine.dispose()
+    if as_json:
+        print(json.dumps({"paused": done.as_json(), "created": created}))
+    elif created:
+        print(f"paused {done.scope.describe()}: no worker claims its work until resumed")
+    else:
+        since = done.paused_at.strftime("%Y-%m-%d %H:%M:%SZ")
+        print(f"{done.scope.describe()} was already paused (since {since} by {done.paused_by})")
+    return EXIT_OK
+
+
+def resume_cli(url: str, scope: Scope | None, *, actor: str, as_json: bool) -> int:
+    """`enrichq resume`: resume one scope (or every pause); the exit code (1 when nothing
+    was paused at that scope: what is paused is printed, nothing changed)."""
+    from enrichq_schema.db import create_engine
+
+    engine = create_engine(url, application_name="enrichq-resume", pool_size=1)
+    try:
+        with engine.begin() as conn:
+            resumed = resume(conn, scope, actor=actor)
+            left = in_place(conn)
+    finally:
+        engine.dispose()
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "resumed": [p.as_json() for p in resumed],
+                    "still_paused": [p.as_json() for p in left],
+                }
+            )
+        )
+        return EXIT_OK if resumed else EXIT_FAILED
+    if not resumed:
+        asked = "any scope" if scope is None else scope.describe()
+        _say(f"resume: nothing is paused at {asked}; paused: {_listing(left)}; nothing changed")
+        return EXIT_FAILED
+    print(f"resumed {_listing(resumed)}" + (f"; still paused: {_listing(left)}" if left else ""))
+    return EXIT_OK
