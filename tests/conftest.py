@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
 from enrichq_schema.db import create_engine
-from enrichq_service.settings import Settings
+from enrichq_schema.settings import Settings
 from tests.support.pg import Databases, server_url
+from tests.support.settings import make_settings
 
 FOLDER_MARKERS = {"unit", "db", "concurrent", "e2e", "migrations", "chaos"}
 
@@ -70,20 +70,6 @@ def db_engine(db_url: str) -> Iterator[sa.Engine]:
     eng = create_engine(db_url, pool_size=4)
     yield eng
     eng.dispose()
-
-
-def make_settings(database_url: str | None = None, **overrides: Any) -> Settings:
-    """Settings for a test: short, deterministic defaults unless the test overrides them."""
-    values: dict[str, Any] = {
-        "database_url": database_url,
-        "delay_created_seconds": 0,
-        "delay_updated_seconds": 0,
-        "lease_seconds": 30,
-        "heartbeat_seconds": 5,
-        "poll_seconds": 0.5,
-    }
-    values.update(overrides)
-    return Settings.load(**values)
 
 
 @pytest.fixture

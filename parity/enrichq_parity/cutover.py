@@ -29,15 +29,16 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from enrichq_parity import names
 from enrichq_parity.model import Approval, Tally, Thresholds, decide, plural
 from enrichq_parity.review import ReviewInputError, approvals_of, check_name
 from enrichq_schema.errors import EnrichqError
+from enrichq_schema.identifiers import qualified, relation_exists, render
+from enrichq_schema.process import Exit, say
 from enrichq_schema.queries import Queries, load
 from enrichq_schema.tables import PUBLIC_SCHEMA
 
 if TYPE_CHECKING:
-    from enrichq_service.settings import Settings
+    from enrichq_schema.settings import Settings
 
 VIEW = f"{PUBLIC_SCHEMA}.ticket_orders"
 STAGED_TENANTS = f"{PUBLIC_SCHEMA}.cutover_tenants"
@@ -45,10 +46,6 @@ SHADOW_TABLE = "enrichq.ticket_orders"
 LOCK_TIMEOUT = "5s"
 TENANT_MAX_LENGTH = 200
 LOCK_NOT_AVAILABLE = "55P03"
-
-EXIT_OK = 0
-EXIT_REFUSED = 1
-EXIT_BAD_INPUT = 2
 
 
 class CutoverError(EnrichqError):
@@ -218,7 +215,7 @@ def ensure_view(conn: sa.Connection, settings: Settings) -> ViewState:
     """Create the consumer view on the legacy table if it is missing; what it reads now."""
     q = _queries()
     conn.execute(q("cutover_lock"))
-    if not _exists(conn, VIEW):
+    if not relation_exists(conn, VIEW):
         present = conn.execute(q("cutover_schema_exists"), {"name": PUBLIC_SCHEMA}).scalar_one()
         if not present:
             raise CutoverError(f"schema {PUBLIC_SCHEMA} does not exist (run `enrichq migrate`)")
@@ -318,24 +315,24 @@ def _apply(
 def _point(conn: sa.Connection, mode: Mode, settings: Settings) -> None:
     """CREATE OR REPLACE the view for `mode`; a missing table is a one-line error."""
     q = _queries()
-    legacy = names.qualified(conn.dialect, settings.legacy_table)
-    if not _exists(conn, legacy):
+    legacy = qualified(conn.dialect, settings.legacy_table)
+    if not relation_exists(conn, legacy):
         raise CutoverError(f"table {settings.legacy_table} does not exist (ENRICHQ_LEGACY_TABLE)")
     if mode is Mode.LEGACY:
-        conn.execute(names.render(q["cutover_point_view"], source=legacy))
+        conn.execute(render(q["cutover_point_view"], source=legacy))
         return
-    if not _exists(conn, SHADOW_TABLE):
+    if not relation_exists(conn, SHADOW_TABLE):
         raise CutoverError(f"table {SHADOW_TABLE} does not exist (run `enrichq migrate`)")
     if mode is Mode.SHADOW:
-        conn.execute(names.render(q["cutover_point_view"], source=SHADOW_TABLE))
+        conn.execute(render(q["cutover_point_view"], source=SHADOW_TABLE))
         return
-    tickets = names.qualified(conn.dialect, settings.tickets_table)
-    if not _exists(conn, tickets):
+    tickets = qualified(conn.dialect, settings.tickets_table)
+    if not relation_exists(conn, tickets):
         raise CutoverError(
             f"table {settings.tickets_table} does not exist (ENRICHQ_TICKETS_TABLE): a staged "
             "cutover finds each ticket's tenant there"
         )
-    conn.execute(names.render(q["cutover_point_view_staged"], legacy=legacy, tickets=tickets))
+    conn.execute(render(q["cutover_point_view_staged"], legacy=legacy, tickets=tickets))
 
 
 def _describe(state: ViewState, settings: Settings) -> str:
@@ -399,11 +396,6 @@ def _sources(conn: sa.Connection) -> list[str]:
     """What the view reads, as schema.table (none: the view does not exist)."""
     rows = conn.execute(_queries()("cutover_view_sources"), {"view": VIEW}).all()
     return [f"{r.schema_name}.{r.table_name}" for r in rows]
-
-
-def _exists(conn: sa.Connection, name: str) -> bool:
-    present: bool = conn.execute(_queries()("cutover_relation_exists"), {"name": name}).scalar_one()
-    return present
 
 
 def _gate_run(conn: sa.Connection) -> GateRun | None:
@@ -504,7 +496,7 @@ class Status:
 def status(conn: sa.Connection, settings: Settings) -> Status:
     """Per tenant, what consumers read and since when, by whom (read-only)."""
     q = _queries()
-    exists = _exists(conn, VIEW)
+    exists = relation_exists(conn, VIEW)
     state = view_state(conn, settings) if exists else ViewState(Mode.LEGACY)
     events = conn.execute(q("cutover_status_events")).all()
     whole_event = next((e for e in events if e.tenant is None), None)
@@ -584,8 +576,8 @@ def run_cli(
         who = check_name(default_actor() if actor is None else actor, "--actor")
         chosen = check_tenants(tenants) if tenants else None
     except ReviewInputError as exc:
-        print(f"enrichq: cutover: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        say(f"cutover: {exc}")
+        return Exit.USAGE
     engine = create_engine(
         url,
         application_name="enrichq-cutover",
@@ -600,15 +592,15 @@ def run_cli(
                 print(json.dumps(report.as_dict(), indent=2))
             else:
                 _print_status(report)
-            return EXIT_OK
+            return Exit.OK
         with engine.begin() as conn:
             result = repoint(conn, settings, action=action, tenants=chosen, actor=who)
     except CutoverRefused as exc:
-        print(f"enrichq: {action.value} refused: {exc}", file=sys.stderr)
-        return EXIT_REFUSED
+        say(f"{action.value} refused: {exc}")
+        return Exit.FAILED
     except CutoverError as exc:
-        print(f"enrichq: {action.value}: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        say(f"{action.value}: {exc}")
+        return Exit.USAGE
     except sa.exc.OperationalError as exc:
         if getattr(exc.orig, "sqlstate", None) != LOCK_NOT_AVAILABLE:
             raise
@@ -617,11 +609,11 @@ def run_cli(
             f"{LOCK_TIMEOUT}); nothing changed, try again",
             file=sys.stderr,
         )
-        return EXIT_REFUSED
+        return Exit.FAILED
     finally:
         engine.dispose()
     print(f"{action.value}: {result.message}")
-    return EXIT_OK
+    return Exit.OK
 
 
 def _print_status(report: Status) -> None:

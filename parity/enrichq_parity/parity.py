@@ -13,8 +13,6 @@ import logging
 import math
 import os
 import shutil
-import socket
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -26,15 +24,12 @@ from typing import IO, TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from enrichq_parity import names
 from enrichq_parity.model import (
     DIFFERING,
     RULE_SAMPLE_LIMIT,
     SAMPLE_LIMIT,
     AcceptFile,
     DayResult,
-    Exclusion,
-    Fault,
     Mismatch,
     ParityReport,
     RuleResult,
@@ -44,24 +39,23 @@ from enrichq_parity.model import (
     TicketClass,
     keep_top,
     merge_rule_tickets,
-    pct,
-    plural,
     tally_of,
     total,
 )
 from enrichq_schema import runlog
 from enrichq_schema.errors import EnrichqError
+from enrichq_schema.identifiers import qualified, relation_exists, render
+from enrichq_schema.process import process_id
 from enrichq_schema.queries import Queries, load
 from enrichq_schema.states import Component, StopReason
 
 if TYPE_CHECKING:
-    from enrichq_service.settings import Settings
+    from enrichq_schema.settings import Settings
 
 __all__ = [
     "ParityInputError",
     "ParityReport",
     "export_latest",
-    "run_cli",
     "run_parity",
     "run_scheduled",
 ]
@@ -82,10 +76,6 @@ EXPORT_BATCH_ROWS = 2000
 
 ProgressCallback = Callable[[int, int], None]
 """Called after each day with (days done, days in the window)."""
-
-EXIT_PASSED = 0
-EXIT_BELOW = 1
-EXIT_BAD_INPUT = 2
 
 
 class ParityInputError(EnrichqError):
@@ -214,7 +204,7 @@ def _prepare(
         at: datetime = conn.execute(_queries()("parity_now"), {"now": now}).scalar_one()
         conn.rollback()
     with write_engine.connect() as conn:
-        if not _exists(conn, "enrichq.parity_runs"):
+        if not relation_exists(conn, "enrichq.parity_runs"):
             raise ParityInputError(
                 "table enrichq.parity_runs does not exist where parity writes "
                 "(run `enrichq migrate` first)"
@@ -331,7 +321,7 @@ def _compare(
     file of its own, and the parts are joined in day order.
     """
     q = _queries()
-    statement = names.render(q["parity_day"], **relations)
+    statement = render(q["parity_day"], **relations)
     windows = list(day_windows(since, until))
     rules = json.dumps([r.as_sql() for r in accept.rules] if accept else [])
 
@@ -498,25 +488,19 @@ def _mismatch(row: Any) -> Mismatch:
     )
 
 
-def _exists(conn: sa.Connection, qualified: str) -> bool:
-    query = _queries()("parity_relation_exists")
-    present: bool = conn.execute(query, {"name": qualified}).scalar_one()
-    return present
-
-
 def _check_relations(conn: sa.Connection, settings: Settings) -> dict[str, str]:
     """The quoted relations of the day query; a missing input table is bad input."""
     quoted = {
-        "tickets": names.qualified(conn.dialect, settings.tickets_table),
-        "legacy": names.qualified(conn.dialect, settings.legacy_table),
-        "orders": names.qualified(conn.dialect, settings.orders_table),
-        "customers": names.qualified(conn.dialect, settings.customers_table),
+        "tickets": qualified(conn.dialect, settings.tickets_table),
+        "legacy": qualified(conn.dialect, settings.legacy_table),
+        "orders": qualified(conn.dialect, settings.orders_table),
+        "customers": qualified(conn.dialect, settings.customers_table),
     }
-    if not _exists(conn, quoted["legacy"]):
+    if not relation_exists(conn, quoted["legacy"]):
         raise ParityInputError(
             f"legacy table {settings.legacy_table} does not exist (ENRICHQ_LEGACY_TABLE)"
         )
-    if not _exists(conn, quoted["tickets"]):
+    if not relation_exists(conn, quoted["tickets"]):
         raise ParityInputError(
             f"tickets table {settings.tickets_table} does not exist (ENRICHQ_TICKETS_TABLE)"
         )
@@ -531,13 +515,13 @@ def _check_relations(conn: sa.Connection, settings: Settings) -> dict[str, str]:
             f"reads it by: CREATE INDEX CONCURRENTLY ON {quoted['legacy']} (ticket_id)"
         )
     for table in SHADOW_TABLES:
-        if not _exists(conn, table):
+        if not relation_exists(conn, table):
             raise ParityInputError(
                 f"table {table} does not exist where parity reads (run `enrichq migrate`)"
             )
-    if not _exists(conn, quoted["orders"]):
+    if not relation_exists(conn, quoted["orders"]):
         quoted["orders"] = NO_ORDERS
-    if not _exists(conn, quoted["customers"]):
+    if not relation_exists(conn, quoted["customers"]):
         quoted["customers"] = NO_CUSTOMERS
     return quoted
 
@@ -555,12 +539,12 @@ def _abandon(engine: sa.Engine, run_id: int, log_id: int, exc: BaseException) ->
 
 
 def _owner() -> str:
-    return f"{Component.PARITY.value}@{socket.gethostname()}:{os.getpid()}"
+    return f"{Component.PARITY.value}@{process_id()}"
 
 
 def export_latest(conn: sa.Connection) -> None:
     """Set the enrichq_parity_* gauges from the latest finished parity run (none: untouched)."""
-    from enrichq_service import metrics
+    from enrichq_schema import metrics
 
     row = conn.execute(_queries()("parity_latest")).first()
     if row is None:
@@ -575,7 +559,9 @@ def export_latest(conn: sa.Connection) -> None:
     metrics.parity_last_run_timestamp_seconds.set(row.finished_at.timestamp())
 
 
-def _engines(settings: Settings, url: str) -> tuple[sa.Engine, sa.Engine]:
+def engines(settings: Settings, url: str) -> tuple[sa.Engine, sa.Engine]:
+    """(read, write): the engine parity reads through (ENRICHQ_PARITY_DATABASE_URL, a
+    replica, or the database) and the one it records its run on (the database)."""
     from enrichq_schema.db import create_engine
 
     read = create_engine(
@@ -595,7 +581,7 @@ def _engines(settings: Settings, url: str) -> tuple[sa.Engine, sa.Engine]:
 
 def run_scheduled(settings: Settings, url: str) -> None:
     """The sweeper's daily parity: the default window, recorded, gauges updated."""
-    read, write = _engines(settings, url)
+    read, write = engines(settings, url)
     try:
         report = run_parity(read, write, settings, since=None, until=None)
         with write.connect() as conn:
@@ -611,177 +597,3 @@ def run_scheduled(settings: Settings, url: str) -> None:
     finally:
         read.dispose()
         write.dispose()
-
-
-def run_cli(
-    settings: Settings,
-    url: str,
-    *,
-    since: datetime | None,
-    until: datetime | None,
-    json_path: Path | None,
-    html_path: Path | None,
-    csv_path: Path | None = None,
-    accept_path: Path | None = None,
-) -> int:
-    """`enrichq parity`: 0 pass, 1 below the bars (or nothing to judge), 2 bad input.
-
-    Every input (report paths, the accept file) is checked before anything is recorded.
-    """
-    from rich.console import Console
-
-    from enrichq_parity import accept as accepting
-    from enrichq_parity import report as render
-
-    console = Console()
-    for option, path in (("--json", json_path), ("--html", html_path), ("--csv", csv_path)):
-        problem = unwritable(path)
-        if problem:
-            print(f"enrichq: parity: {option} {path}: {problem}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-    accept: AcceptFile | None = None
-    if accept_path is not None:
-        try:
-            accept = accepting.load(accept_path)
-        except accepting.AcceptFileError as exc:
-            print(f"enrichq: parity: --accept {exc}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-    read, write = _engines(settings, url)
-    try:
-        with _ProgressBar(console) as progress:
-            result = run_parity(
-                read,
-                write,
-                settings,
-                since=since,
-                until=until,
-                progress=progress,
-                accept=accept,
-                csv_path=csv_path,
-            )
-    except ParityInputError as exc:
-        print(f"enrichq: parity: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    finally:
-        read.dispose()
-        write.dispose()
-    if json_path is not None:
-        json_path.write_text(render.to_json(result), encoding="utf-8")
-    if html_path is not None:
-        html_path.write_text(render.to_html(result), encoding="utf-8")
-    print_summary(console, result)
-    for label, path in (("json", json_path), ("html", html_path), ("csv", csv_path)):
-        if path is not None:
-            console.print(f"{label}: {path}", highlight=False, markup=False)
-    return EXIT_PASSED if result.passed else EXIT_BELOW
-
-
-def unwritable(path: Path | None) -> str | None:
-    """Why a report cannot be written to `path`, checked before any work; None if it can."""
-    if path is None:
-        return None
-    if path.is_dir():
-        return "is a directory"
-    parent = path.parent if str(path.parent) else Path()
-    if not parent.is_dir():
-        return "its directory does not exist"
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        return "not writable"
-    return None
-
-
-class _ProgressBar:
-    """A rich progress bar over the days on a terminal; nothing when output is not a tty."""
-
-    def __init__(self, console: Any) -> None:
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-        )
-
-        self._bar = Progress(
-            TextColumn("parity: days"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=console,
-            transient=True,
-            disable=not console.is_terminal,
-        )
-        self._task = self._bar.add_task("days", total=None)
-
-    def __enter__(self) -> ProgressCallback:
-        self._bar.start()
-        return self._advance
-
-    def __exit__(self, *exc: object) -> None:
-        self._bar.stop()
-
-    def _advance(self, done: int, days: int) -> None:
-        self._bar.update(self._task, completed=done, total=days)
-
-
-_STATE_MARKUP = {
-    "pass": "[bold green]PASS[/]",
-    "review": "[bold green]PASS[/] [yellow](legacy faults to accept)[/]",
-    "fail": "[bold red]FAIL[/]",
-    "empty": "[bold red]FAIL[/] [dim](nothing to judge)[/]",
-}
-
-
-def print_summary(console: Any, report: ParityReport) -> None:
-    """The run's figures on the terminal: verdict, bars, fault groups, classes, rules."""
-    from rich.table import Table
-
-    from enrichq_parity.model import CLASS_LABELS, FAULT_LABELS, classes_of
-
-    t, bars, verdict = report.total, report.thresholds, report.verdict
-    console.print(
-        f"{_STATE_MARKUP[verdict.state]}  parity run #{report.run_id}  "
-        f"{report.since:%Y-%m-%d %H:%M} → {report.until:%Y-%m-%d %H:%M} UTC",
-        highlight=False,
-    )
-    table = Table(show_header=False, box=None, pad_edge=False)
-    table.add_column(style="bold")
-    table.add_column(justify="right")
-    table.add_column(style="dim")
-    table.add_row("order coverage", pct(t.order_coverage), f"min {pct(bars.min_order_coverage)}")
-    table.add_row(
-        "shadow fault rate", pct(t.shadow_fault_rate), f"max {pct(bars.max_shadow_fault_rate)}"
-    )
-    table.add_row("ticket match rate", pct(t.ticket_match_rate), "both flows agree (not a bar)")
-    table.add_row("tickets compared", f"{t.compared:,}", f"exact matches {t.exact:,}")
-    table.add_row(
-        "tickets excluded",
-        f"{t.excluded:,}",
-        ", ".join(f"{e.value.replace('_', ' ')} {t.count(e):,}" for e in Exclusion),
-    )
-    for fault in Fault:
-        note = ""
-        if fault is Fault.LEGACY:
-            note = (
-                f"accepted {t.accepted_legacy_faults:,}, "
-                f"not accepted {t.unaccepted_legacy_faults:,}"
-            )
-        table.add_row(FAULT_LABELS[fault].lower(), f"{t.in_group(fault):,}", note)
-        for c in classes_of(fault):
-            table.add_row(f"  {CLASS_LABELS[c].lower()}", f"{t.count(c):,}", "")
-    table.add_row(
-        "orders",
-        f"{t.legacy_orders:,}",
-        f"legacy; matched {t.matched_orders:,}, missing {t.missing_orders:,}, "
-        f"extra {t.extra_orders:,}, drift {t.drift_orders:,}, "
-        f"unverified {t.unverified_orders:,}",
-    )
-    console.print(table)
-    for r in report.rules:
-        flag = "[yellow]matched nothing[/]" if r.unused else plural(r.matched, "ticket")
-        console.print(
-            f"  rule {r.rule.number} (line {r.rule.line}) {r.rule.ticket_class.value}, "
-            f"{r.rule.scope()}: {flag}  [dim]by {r.rule.author}[/]",
-            highlight=False,
-        )
-    console.print(verdict.reason, highlight=False, markup=False)

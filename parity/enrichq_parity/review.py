@@ -9,7 +9,6 @@ accepted rule can be, but cutover refuses the tenants those faults belong to.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -20,15 +19,13 @@ import sqlalchemy as sa
 
 from enrichq_parity.model import Approval, ParityReport, Tally, Thresholds, Verdict, decide, pct
 from enrichq_schema.errors import EnrichqError
+from enrichq_schema.process import Exit, say
 from enrichq_schema.queries import Queries, load
 from enrichq_schema.tables import APPROVAL_NOTE_MAX_LENGTH, APPROVER_MAX_LENGTH
 
 if TYPE_CHECKING:
-    from enrichq_service.settings import Settings
+    from enrichq_schema.settings import Settings
 
-EXIT_OK = 0
-EXIT_REFUSED = 1
-EXIT_BAD_INPUT = 2
 RUNS_LIMIT_DEFAULT = 20
 
 
@@ -272,11 +269,11 @@ def approve_cli(settings: Settings, url: str, *, run_id: int, by: str, note: str
         with engine.begin() as conn:
             done = approve(conn, run_id, by=by, note=note)
     except ReviewInputError as exc:
-        print(f"enrichq: parity approve: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        say(f"parity approve: {exc}")
+        return Exit.USAGE
     except ApprovalRefused as exc:
-        print(f"enrichq: parity approve refused: {exc}", file=sys.stderr)
-        return EXIT_REFUSED
+        say(f"parity approve refused: {exc}")
+        return Exit.FAILED
     finally:
         engine.dispose()
     a = done.approval
@@ -292,7 +289,7 @@ def approve_cli(settings: Settings, url: str, *, run_id: int, by: str, note: str
         )
     for line in done.notes:
         print(f"note: {line}")
-    return EXIT_OK
+    return Exit.OK
 
 
 def runs_cli(settings: Settings, url: str, *, limit: int, as_json: bool) -> int:
@@ -306,9 +303,9 @@ def runs_cli(settings: Settings, url: str, *, limit: int, as_json: bool) -> int:
     if as_json:
         for row in rows:
             print(json.dumps(row.as_dict()))
-        return EXIT_OK
+        return Exit.OK
     _print_runs(rows)
-    return EXIT_OK
+    return Exit.OK
 
 
 def show_cli(
@@ -323,20 +320,20 @@ def show_cli(
     from rich.console import Console
 
     from enrichq_parity import report as render
-    from enrichq_parity.parity import print_summary, unwritable
+    from enrichq_parity.cli import print_summary, unwritable
 
     for option, path in (("--json", json_path), ("--html", html_path)):
         problem = unwritable(path)
         if problem:
-            print(f"enrichq: parity show: {option} {path}: {problem}", file=sys.stderr)
-            return EXIT_BAD_INPUT
+            say(f"parity show: {option} {path}: {problem}")
+            return Exit.USAGE
     engine = _engine(settings, url)
     try:
         with engine.connect() as conn:
             report, approvals = load_report(conn, run_id)
     except ReviewInputError as exc:
-        print(f"enrichq: parity show: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        say(f"parity show: {exc}")
+        return Exit.USAGE
     finally:
         engine.dispose()
     if json_path is not None:
@@ -357,7 +354,7 @@ def show_cli(
     for label, path in (("json", json_path), ("html", html_path)):
         if path is not None:
             console.print(f"{label}: {path}", highlight=False, markup=False)
-    return EXIT_OK
+    return Exit.OK
 
 
 def _print_runs(rows: Sequence[RunRow]) -> None:
@@ -382,7 +379,7 @@ def _print_runs(rows: Sequence[RunRow]) -> None:
         ("rules", "left"),
         ("approved by", "left"),
     ):
-        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]  # justify is one of rich's literals, typed str here
     for r in rows:
         rules = "—" if r.accept_rules == 0 else f"{r.accept_rules}"
         if r.unused_rules:

@@ -28,7 +28,7 @@ import sqlalchemy as sa
 from enrichq_schema.errors import EnrichqError
 from enrichq_schema.queries import load
 from enrichq_schema.states import AuditCommand
-from enrichq_schema.text import unsafe_character
+from enrichq_schema.text import text_problem
 
 SQL = load("enrichq_schema", "sql/audit.sql")
 ACTOR_MAX_LENGTH = 200
@@ -71,10 +71,8 @@ def origin() -> str:
 def check_actor(actor: str) -> str:
     """`actor`, stripped; AuditInputError when it is empty, too long or unprintable."""
     actor = actor.strip()
-    if not actor or len(actor) > ACTOR_MAX_LENGTH:
-        raise AuditInputError(f"actor: must be 1 to {ACTOR_MAX_LENGTH} characters")
-    if (bad := unsafe_character(actor)) is not None:
-        raise AuditInputError(f"actor: must not contain control or format characters ({bad})")
+    if (problem := text_problem(actor, ACTOR_MAX_LENGTH)) is not None:
+        raise AuditInputError(f"actor: {problem}")
     return actor
 
 

@@ -122,7 +122,7 @@ def database_url(configured: str | None) -> Iterator[str]:
     if configured:
         yield normalize_url(configured).render_as_string(hide_password=False)
         return
-    from enrichq_schema.embedded import EmbeddedPostgres, default_data_dir
+    from enrichq_schema.postgres_supervisor import EmbeddedPostgres, default_data_dir
 
     with _embedded_lock:
         server = EmbeddedPostgres(default_data_dir())
@@ -166,7 +166,7 @@ def migrate(url: str, revision: str = "head") -> None:
     """Upgrade the database to `revision`; a no-op when it is already there."""
     from alembic import command
 
-    command.upgrade(alembic_config(url), revision)  # type: ignore[arg-type]
+    command.upgrade(alembic_config(url), revision)  # type: ignore[arg-type]  # alembic's stubs want its own Config subclass
 
 
 def current_revision(conn: sa.Connection) -> str | None:

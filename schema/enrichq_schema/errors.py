@@ -10,6 +10,10 @@ class EnrichqError(Exception):
         super().__init__(message or (self.__doc__ or "").strip())
 
 
+class SettingsError(EnrichqError):
+    """The configuration is invalid."""
+
+
 def constraint_name(exc: BaseException) -> str | None:
     """The name of the constraint a driver error violated, if any (never parsed from text)."""
     orig = getattr(exc, "orig", exc)
@@ -22,7 +26,7 @@ def describe_database_error(exc: BaseException) -> str | None:
     """A one-line description of a database problem an operator can act on, else None."""
     import sqlalchemy.exc as sa_exc
 
-    from enrichq_schema.embedded import EmbeddedPostgresError
+    from enrichq_schema.postgres_supervisor import EmbeddedPostgresError
 
     if isinstance(exc, EmbeddedPostgresError):
         return f"embedded PostgreSQL: {exc}"

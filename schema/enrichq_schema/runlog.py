@@ -15,11 +15,22 @@ SQL = load("enrichq_schema", "sql/runs.sql")
 
 
 def start(
-    conn: sa.Connection, component: Component, owner: str, *, now: datetime | None = None
+    conn: sa.Connection,
+    component: Component,
+    owner: str,
+    *,
+    counts: Mapping[str, object] | None = None,
+    now: datetime | None = None,
 ) -> int:
-    """Open a run row; its id."""
+    """Open a run row (with the `counts` it starts with, if any); its id."""
     run_id = conn.execute(
-        SQL("runs_start"), {"component": component.value, "owner": owner, "now": now}
+        SQL("runs_start"),
+        {
+            "component": component.value,
+            "owner": owner,
+            "counts": json.dumps(dict(counts or {}), default=str),
+            "now": now,
+        },
     ).scalar_one()
     return int(run_id)
 

@@ -97,6 +97,9 @@ PLAN_PRIORITY: dict[Plan, int] = {Plan.FREE: 0, Plan.STANDARD: 1, Plan.PRIORITY:
 OWNERLESS_PRIORITY = PLAN_PRIORITY[Plan.STANDARD]
 
 LOOKUP_STATUSES = ("ok", "empty", "not_found", "error", "deferred")
+# The channel enqueue, redrive, recovery and resume NOTIFY and workers LISTEN on (every
+# statement that notifies takes it as :channel).
+NOTIFY_CHANNEL = "enrichq_queue"
 # The last_error the sweeper writes on a row whose lease expired; the worker reads it to
 # know that the row's previous attempt lost its process (a suspect, see isolate.py).
 LEASE_EXPIRED_ERROR = "lease expired"

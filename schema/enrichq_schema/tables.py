@@ -36,7 +36,7 @@ metadata = sa.MetaData(
 
 def _one_of(column: str, values: object) -> str:
     """SQL `column IN (...)` over an enum's values, for CHECK constraints."""
-    items = ", ".join(f"'{v}'" for v in values)  # type: ignore[attr-defined]
+    items = ", ".join(f"'{v}'" for v in values)  # type: ignore[attr-defined]  # an enum class, typed object
     return f"{column} IN ({items})"
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import unicodedata
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 # Refused in ticket ids, tenants and event ids: control characters (C0, DEL, C1: escapes,
 # newlines, NUL) and format characters (zero-width and bidirectional marks, which make
@@ -56,3 +58,51 @@ class EscapingFormatter(logging.Formatter):
         copy = logging.makeLogRecord(record.__dict__)
         copy.msg, copy.args = safe, None
         return super().format(copy)
+
+
+def one_line(text: str, limit: int = 2000) -> str:
+    """Several lines of output (a server's log, a tool's stderr) as one, bounded."""
+    return " | ".join(line.strip() for line in text.splitlines() if line.strip())[:limit]
+
+
+def error_line(exc: BaseException, limit: int) -> str:
+    """An error as one storable, printable line: its type and first line, bounded, with no
+    NUL or control characters left (they reach a row's last_error, logs and terminals). A
+    driver error wrapped by SQLAlchemy is shown as the driver's, without the SQL."""
+    orig = getattr(exc, "orig", None) or exc
+    lines = str(orig).strip().splitlines()
+    return printable(f"{type(orig).__name__}: {lines[0] if lines else ''}")[:limit]
+
+
+def validation_problem(
+    errors: Sequence[Mapping[str, Any]], *, field: Callable[[Sequence[Any]], str] | None = None
+) -> str:
+    """Pydantic's validation errors as one line: the first error's field (`field` names it
+    from its location; by default as a path such as ``events[0].key``) and message, never
+    the input, and how many more there are."""
+    if not errors:
+        return "invalid input"
+    first = errors[0]
+    loc = tuple(first.get("loc", ()))
+    name = field(loc) if field is not None else location_path(loc)
+    message = " ".join(str(first.get("msg", "invalid")).removeprefix("Value error, ").split())
+    more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{name}: {message}{more}" if name else f"{message}{more}"
+
+
+def location_path(loc: Sequence[Any]) -> str:
+    """A validation error's location as a path: ``events[0].key``."""
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
+def text_problem(value: str, max_length: int) -> str | None:
+    """What is wrong with `value` as a short operator-given text (an actor, a tenant, a
+    reason), or None: empty, longer than `max_length`, or holding a refused character."""
+    if not value.strip() or len(value) > max_length:
+        return f"must be 1 to {max_length} characters"
+    if (bad := unsafe_character(value)) is not None:
+        return f"must not contain control or format characters ({bad})"
+    return None

@@ -10,9 +10,9 @@ from datetime import UTC
 from typing import Any
 
 from enrichq_schema.audit import AuditEntry, AuditInputError, recent
-from enrichq_service.settings import Settings
+from enrichq_schema.process import Exit, say
+from enrichq_schema.settings import Settings
 
-EXIT_USAGE = 2
 TIME_FORMAT = "%Y-%m-%d %H:%M:%SZ"
 
 
@@ -32,8 +32,8 @@ def list_cli(
         with engine.connect() as conn:
             entries = recent(conn, limit=limit, command=command)
     except AuditInputError as exc:
-        print(f"enrichq: audit: {exc}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
+        say(f"audit: {exc}")
+        sys.exit(Exit.USAGE)
     finally:
         engine.dispose()
     if as_json:

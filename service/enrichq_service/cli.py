@@ -9,19 +9,17 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import click
 
+from enrichq_schema.errors import SettingsError
+from enrichq_schema.process import Exit, fail
 from enrichq_schema.states import AuditCommand, DeadReason, Kind, Reason
-from enrichq_service.errors import SettingsError
 
 if TYPE_CHECKING:
-    from enrichq_service.settings import Settings
+    from enrichq_schema.settings import Settings
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -35,8 +33,8 @@ class Context:
     @property
     def settings(self) -> Settings:
         if self._settings is None:
+            from enrichq_schema.settings import Settings
             from enrichq_schema.text import EscapingFormatter
-            from enrichq_service.settings import Settings
 
             self._settings = Settings.load(self.config_file)
             # every record one line, arguments escaped: keys stored before ingest refused
@@ -59,12 +57,6 @@ class Context:
 
 
 pass_context = click.make_pass_decorator(Context)
-
-
-def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
-    """Print one line to stderr and exit."""
-    click.echo(f"enrichq: {message}", err=True)
-    sys.exit(code)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -187,11 +179,16 @@ def serve(ctx: Context) -> None:
 @pass_context
 def sweep(ctx: Context, once: bool) -> None:
     """Recover expired leases, dead-letter spent rows, prune old rows, enqueue refreshes."""
-    from enrichq_sweeper.scheduler import run_sweeper
+    from enrichq_sweeper.scheduler import ScheduledTask, run_sweeper
 
     settings = ctx.settings
+    scheduled_parity: ScheduledTask | None = None
+    if settings.parity_interval_hours > 0:
+        from enrichq_parity.parity import run_scheduled  # only when parity is scheduled
+
+        scheduled_parity = run_scheduled
     with ctx.database() as url:
-        sys.exit(run_sweeper(settings, url, once=once))
+        sys.exit(run_sweeper(settings, url, once=once, scheduled_parity=scheduled_parity))
 
 
 @cli.group()
@@ -509,7 +506,7 @@ def parity(
     until_at = _parse_day(until, "--until")
     if since_at and until_at and since_at >= until_at:
         fail("--since must be before --until")
-    from enrichq_parity.parity import run_cli
+    from enrichq_parity.cli import run_cli
 
     ctx = click_ctx.find_object(Context)
     assert ctx is not None  # the root command always sets it
@@ -636,29 +633,29 @@ def _run(entry: click.Command, args: list[str] | None) -> int:
             click.echo(exc.ctx.get_help() if exc.ctx else str(exc))  # bare `enrichq`
         else:
             group = exc.ctx.command
-            names = ", ".join(group.list_commands(exc.ctx))  # type: ignore[attr-defined]
+            names = ", ".join(group.list_commands(exc.ctx))  # type: ignore[attr-defined]  # a click Group here; ctx.command is typed Command
             where = exc.ctx.command_path.removeprefix("enrichq ")
             click.echo(f"enrichq: {where}: missing command ({names})", err=True)
-        return EXIT_USAGE
+        return Exit.USAGE
     except click.UsageError as exc:
         where = f"{exc.ctx.command_path.removeprefix('enrichq').strip()}: " if exc.ctx else ""
         where = "" if where == ": " else where
         click.echo(f"enrichq: {where}{exc.format_message()}", err=True)
-        return EXIT_USAGE
+        return Exit.USAGE
     except click.ClickException as exc:
         click.echo(f"enrichq: {exc.format_message()}", err=True)
         return exc.exit_code
     except click.exceptions.Abort:
         click.echo("enrichq: aborted", err=True)
-        return EXIT_FAILED
+        return Exit.FAILED
     except SettingsError as exc:
         click.echo(f"enrichq: {exc}", err=True)
-        return EXIT_USAGE
+        return Exit.USAGE
     except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else EXIT_FAILED
+        return exc.code if isinstance(exc.code, int) else Exit.FAILED
     except KeyboardInterrupt:
         return 130
-    return EXIT_OK
+    return Exit.OK
 
 
 def main(args: list[str] | None = None) -> int:
@@ -672,7 +669,7 @@ def main(args: list[str] | None = None) -> int:
         if message is None:
             raise
         click.echo(f"enrichq: {message}", err=True)
-        code = EXIT_FAILED
+        code = Exit.FAILED
     if args is None:
         sys.exit(code)
     return code

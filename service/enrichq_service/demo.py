@@ -25,7 +25,7 @@ import sqlalchemy as sa
 from pydantic import SecretStr
 
 from enrichq_schema.db import create_engine, migrate, normalize_url
-from enrichq_service.settings import Settings
+from enrichq_schema.settings import Settings
 
 DEMO_DATABASE = "enrichq_demo"
 EVENTS_PER_REQUEST = 100
@@ -80,9 +80,10 @@ def run_demo(  # noqa: PLR0915 -- the demo is one story, told in order
     from rich.panel import Panel
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+    from enrichq_schema.process import stop_on_signals
     from enrichq_service import seed
     from enrichq_service.http import create_app, start_server_thread
-    from enrichq_service.worker import stop_on_signals, worker_process
+    from enrichq_service.worker import worker_process
     from enrichq_sweeper import recovery, refresh, retention
 
     console = Console()
@@ -214,7 +215,7 @@ def _review(demo: Settings, demo_url: str, console: Any) -> _Review:
     cut one tenant over, status; each step through the command it documents."""
     from enrichq_parity import cutover, review
     from enrichq_parity import report as render
-    from enrichq_parity.parity import run_cli as run_parity
+    from enrichq_parity.cli import run_cli as run_parity
 
     def latest() -> review.RunRow:
         engine = create_engine(demo_url, pool_size=1)

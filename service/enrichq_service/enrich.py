@@ -20,7 +20,6 @@ same statement runs on every dialect; `warehouse_lookup` is its per-ticket form.
 
 from __future__ import annotations
 
-import importlib
 import math
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -34,10 +33,13 @@ from uuid import UUID
 
 import sqlalchemy as sa
 
+from enrichq_schema.errors import SettingsError
+from enrichq_schema.identifiers import qualified, render
+from enrichq_schema.process import PluginError, load_callable
 from enrichq_schema.queries import load
-from enrichq_schema.text import printable
-from enrichq_service.errors import PermanentError, SettingsError, TransientError
-from enrichq_service.settings import BUILTIN_BATCH_ENRICHER, Settings
+from enrichq_schema.settings import BUILTIN_BATCH_ENRICHER, Settings
+from enrichq_schema.text import error_line
+from enrichq_service.errors import PermanentError, TransientError
 
 SQL = load("enrichq_service", "sql/enrich.sql")
 ID_MAX_LENGTH = 1000  # order, customer and warehouse job ids
@@ -142,15 +144,10 @@ def choose(settings: Settings) -> EnricherChoice:
 
 
 def _load(path: str, setting: str) -> Any:
-    module_name, _, attr = path.partition(":")
     try:
-        module = importlib.import_module(module_name)
-        target = getattr(module, attr)
-    except (ImportError, AttributeError) as exc:
-        raise SettingsError(f"invalid setting {setting}: cannot import {path} ({exc})") from None
-    if not callable(target):
-        raise SettingsError(f"invalid setting {setting}: {path} is not callable")
-    return target
+        return load_callable(path)
+    except PluginError as exc:
+        raise SettingsError(f"invalid setting {setting}: {exc}") from None
 
 
 @cache
@@ -238,25 +235,17 @@ def _number(value: object, where: str) -> Decimal | None:
 
 
 def error_text(exc: BaseException) -> str:
-    """An error as one storable, printable line: its type and first line, bounded, with no
-    NUL or control characters left (they reach the row's last_error, logs and terminals)."""
-    text = str(getattr(exc, "orig", None) or exc).strip().splitlines()
-    line = f"{type(exc).__name__}: {text[0] if text else ''}"
-    return printable(line)[:ERROR_MAX_LENGTH]
+    """An error as a row's last_error: one printable line (`enrichq_schema.text.error_line`)."""
+    return error_line(exc, ERROR_MAX_LENGTH)
 
 
 # -- the mirror and the built-in warehouse lookup
 
 
-def _quoted(dialect: sa.Dialect, qualified: str) -> str:
-    preparer = dialect.identifier_preparer
-    return ".".join(preparer.quote(part) for part in qualified.split("."))
-
-
 @cache
 def _statement(name: str, expanding: tuple[str, ...] = (), **tables: str) -> sa.TextClause:
     # Only validated, quoted identifiers are substituted; values are always bound.
-    clause = sa.text(SQL[name].sql.format(**tables))
+    clause = render(SQL[name], **tables)
     if expanding:
         clause = clause.bindparams(*(sa.bindparam(n, expanding=True) for n in expanding))
     return clause
@@ -266,7 +255,9 @@ def read_tickets(conn: sa.Connection, settings: Settings, ids: Sequence[str]) ->
     """The mirrored tickets among `ids`, by id."""
     if not ids:
         return {}
-    stmt = _statement("enrich_read_tickets", tickets=_quoted(conn.dialect, settings.tickets_table))
+    stmt = _statement(
+        "enrich_read_tickets", tickets=qualified(conn.dialect, settings.tickets_table)
+    )
     return {
         r.id: Ticket(r.id, r.requester_email, r.tenant, r.created_at, r.updated_at)
         for r in conn.execute(stmt, {"ids": list(ids)})
@@ -300,8 +291,8 @@ def warehouse_lookup_batch(
         stmt = _statement(
             "enrich_warehouse_orders_batch",
             ("emails",),
-            customers=_quoted(dialect, settings.customers_table),
-            orders=_quoted(dialect, settings.orders_table),
+            customers=qualified(dialect, settings.customers_table),
+            orders=qualified(dialect, settings.orders_table),
         )
         with (
             context.warehouse.connect() as conn,

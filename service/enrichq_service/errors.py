@@ -11,10 +11,6 @@ class ServiceError(EnrichqError):
     """Unexpected enrichq service error."""
 
 
-class SettingsError(ServiceError):
-    """The configuration is invalid."""
-
-
 class TransientError(ServiceError):
     """The enrichment failed in a way worth retrying."""
 

@@ -17,8 +17,8 @@ from datetime import datetime
 import sqlalchemy as sa
 
 from enrichq_schema.queries import load
+from enrichq_schema.settings import Settings
 from enrichq_service import queue
-from enrichq_service.settings import Settings
 
 SQL = load("enrichq_service", "sql/events.sql")
 SECONDS_PER_HOUR = 3600.0

@@ -41,14 +41,16 @@ from pydantic_core import from_json
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
+from enrichq_schema import metrics
 from enrichq_schema.db import current_revision, head_revision
+from enrichq_schema.errors import SettingsError
+from enrichq_schema.settings import Settings
 from enrichq_schema.states import EVENT_ID_MAX_LENGTH, KEY_MAX_LENGTH, Kind
-from enrichq_schema.text import unsafe_character
+from enrichq_schema.text import unsafe_character, validation_problem
 from enrichq_service import events as ingest
-from enrichq_service import metrics, queue
-from enrichq_service.errors import ServiceError, SettingsError
+from enrichq_service import queue
+from enrichq_service.errors import ServiceError
 from enrichq_service.observe import register_queue_collector, set_build_info
-from enrichq_service.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -274,14 +276,7 @@ def to_requests(events: Sequence[Event]) -> list[ingest.Delivery] | Rejection:
 
 def describe_validation_error(exc: ValidationError) -> str:
     """One line: the first error's location and message (never the input), and how many more."""
-    errors = exc.errors(include_input=False, include_url=False)
-    first = errors[0]
-    loc = ""
-    for part in first["loc"]:
-        loc += f"[{part}]" if isinstance(part, int) else (f".{part}" if loc else str(part))
-    message = " ".join(str(first["msg"]).removeprefix("Value error, ").split())
-    more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"{loc}: {message}{more}" if loc else f"{message}{more}"
+    return validation_problem(exc.errors(include_input=False, include_url=False))
 
 
 def _invalid(detail: str) -> Rejection:
@@ -377,11 +372,8 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = list(exc.errors())
-        first = errors[0] if errors else {}
-        loc = ".".join(str(p) for p in first.get("loc", ()))
-        message = " ".join(str(first.get("msg", "invalid request")).split())
-        return JSONResponse({"detail": f"{loc}: {message}" if loc else message}, status_code=422)
+        detail = validation_problem(list(exc.errors()))
+        return JSONResponse({"detail": detail}, status_code=422)
 
     @app.post(
         "/v1/events",

@@ -20,10 +20,10 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
+from enrichq_schema.settings import Settings
 from enrichq_schema.states import LEASE_EXPIRED_ERROR
 from enrichq_service.enrich import EnrichContext, EnricherChoice, Enrichment, Order, Ticket
 from enrichq_service.errors import Deferral, PermanentError, TransientError
-from enrichq_service.settings import Settings
 
 CHILD_DIED = "isolated enrichment process died"
 

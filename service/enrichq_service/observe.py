@@ -32,9 +32,9 @@ from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from enrichq_schema import metrics
 from enrichq_schema.queries import load
 from enrichq_schema.states import DeadReason, Kind, State
-from enrichq_service import metrics
 from enrichq_sweeper import pauses as pause_controls
 
 log = logging.getLogger(__name__)

@@ -18,10 +18,13 @@ from uuid import UUID
 
 import sqlalchemy as sa
 
+from enrichq_schema import metrics
 from enrichq_schema.db import rerun_lost_races
 from enrichq_schema.queries import load
+from enrichq_schema.settings import PRIORITY_AGING_SECONDS_DEFAULT
 from enrichq_schema.states import (
     KEY_MAX_LENGTH,
+    NOTIFY_CHANNEL,
     OWNERLESS_PRIORITY,
     Kind,
     Outcome,
@@ -29,15 +32,12 @@ from enrichq_schema.states import (
     State,
 )
 from enrichq_schema.text import unsafe_character
-from enrichq_service import metrics
 from enrichq_service.errors import ServiceError
-from enrichq_service.settings import PRIORITY_AGING_SECONDS_DEFAULT
 
 if TYPE_CHECKING:
-    from enrichq_service.settings import Settings
+    from enrichq_schema.settings import Settings
 
 SQL = load("enrichq_service", "sql/queue.sql")
-NOTIFY_CHANNEL = "enrichq_queue"
 PAYLOAD_MAX_BYTES = 64 * 1024
 # The advisory-lock space of the claim's per-key try-locks ("enrq" as a 32-bit number):
 # pg_locks shows them as classid 0x656E7271, objid the key's hashtext.
@@ -183,6 +183,7 @@ def enqueue(
         ],
         "max_attempts": [settings.max_attempts] * len(requests),
         "middle_priority": OWNERLESS_PRIORITY,
+        "channel": NOTIFY_CHANNEL,
         "now": now,
     }
     rows = conn.execute(SQL("queue_enqueue"), params).all()

@@ -8,8 +8,8 @@ import threading
 import sqlalchemy as sa
 import sqlalchemy.exc as sa_exc
 
+from enrichq_schema.settings import Settings
 from enrichq_schema.states import StopReason
-from enrichq_service.settings import Settings
 
 log = logging.getLogger(__name__)
 PARITY_EXPORT_SECONDS = 60.0
@@ -31,8 +31,9 @@ def export_parity_gauges(engine: sa.Engine, stop: threading.Event) -> None:
 
 def run_serve(settings: Settings, url: str) -> int:
     """Serve HTTP on ENRICHQ_HTTP_PORT and work the queue until SIGTERM/SIGINT."""
+    from enrichq_schema.process import stop_on_signals
     from enrichq_service.http import bind_socket, create_app, start_server_thread
-    from enrichq_service.worker import stop_on_signals, worker_process
+    from enrichq_service.worker import worker_process
 
     # the port first: a port in use is a one-line error before any connection is made
     sock = bind_socket(settings.http_host, settings.http_port)

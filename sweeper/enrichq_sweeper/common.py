@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
-
 import sqlalchemy as sa
 
 from enrichq_schema.db import rerun_lost_races
@@ -18,11 +15,6 @@ DEFAULT_BATCH_SIZE = 1000
 def sql() -> Queries:
     """The sweeper's named statements (sql/sweeper.sql), loaded once per process."""
     return load("enrichq_sweeper", "sql/sweeper.sql")
-
-
-def owner_id() -> str:
-    """This process as the run log names it: host:pid."""
-    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def set_statement_timeout(conn: sa.Connection, seconds: float) -> None:

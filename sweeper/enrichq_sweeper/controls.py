@@ -25,18 +25,18 @@ prints its count and a sample, and records and changes nothing.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from typing import Any, NoReturn
+from typing import Any
 
 import sqlalchemy as sa
 
 from enrichq_schema import audit
+from enrichq_schema.process import Exit, fail
 from enrichq_schema.queries import Queries, load
-from enrichq_schema.states import AuditCommand
-from enrichq_service.settings import Settings
+from enrichq_schema.settings import Settings
+from enrichq_schema.states import NOTIFY_CHANNEL, AuditCommand
 from enrichq_sweeper.common import (
     DEFAULT_BATCH_SIZE,
     STATEMENT_TIMEOUT_SECONDS_DEFAULT,
@@ -48,8 +48,6 @@ from enrichq_sweeper.filters import Filter, Scope
 
 SAMPLE_SIZE = 10
 TIME_FORMAT = "%Y-%m-%d %H:%M:%SZ"
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
 MISSING_IDS_SHOWN = 20
 
 SCOPE_OF = {
@@ -183,7 +181,13 @@ def redrive_batch(
     _check_scope(flt, Scope.DEAD)
     if len(ids) != len(winners):
         raise ValueError("ids and winners must be parallel")
-    params = {**flt.params(), "batch_ids": list(ids), "winners": list(winners), "now": now}
+    params = {
+        **flt.params(),
+        "batch_ids": list(ids),
+        "winners": list(winners),
+        "channel": NOTIFY_CHANNEL,
+        "now": now,
+    }
     row = retry_races(conn, lambda: conn.execute(sql()("controls_redrive_batch"), params).one())
     return {"redriven": int(row.redriven), "merged": int(row.merged)}
 
@@ -283,12 +287,6 @@ def run(
 # -- the CLI's entry point (enrichq cancel / dlq discard / dlq redrive)
 
 
-def _fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
-    """One line on stderr, then exit (2: the CLI's usage error)."""
-    print(f"enrichq: {message}", file=sys.stderr)
-    sys.exit(code)
-
-
 def run_cli(
     settings: Settings,
     url: str,
@@ -315,12 +313,12 @@ def run_cli(
             statement_timeout_seconds=settings.statement_timeout_seconds,
         )
     except (FilterError, audit.AuditInputError) as exc:
-        _fail(f"{command.value}: {exc}; nothing changed")
+        fail(f"{command.value}: {exc}; nothing changed")
     except KeyboardInterrupt:
-        _fail(
+        fail(
             f"{command.value}: interrupted; the batches committed so far stay done "
             "(`enrichq audit` shows how many rows)",
-            EXIT_INTERRUPTED,
+            Exit.INTERRUPTED,
         )
     finally:
         engine.dispose()

@@ -7,20 +7,18 @@ Discard and redrive are operator controls over a filter, with cancel: see
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime
-from typing import NoReturn
 
 import sqlalchemy as sa
 
+from enrichq_schema.process import fail
+from enrichq_schema.settings import Settings
 from enrichq_schema.states import DeadReason
-from enrichq_service.settings import Settings
 from enrichq_sweeper.common import set_statement_timeout, sql
 from enrichq_sweeper.errors import DlqInputError
 
-EXIT_USAGE = 2
 LIST_LIMIT_MAX = 10_000
 ERROR_COLUMN_WIDTH = 60
 
@@ -69,12 +67,6 @@ def list_dead(
 # -- the CLI's entry point (enrichq dlq list)
 
 
-def _fail(message: str) -> NoReturn:
-    """One line on stderr, exit 2 (the CLI's usage error)."""
-    print(f"enrichq: {message}", file=sys.stderr)
-    sys.exit(EXIT_USAGE)
-
-
 def list_cli(
     settings: Settings, url: str, *, reason: str | None, limit: int, as_json: bool
 ) -> None:
@@ -87,7 +79,7 @@ def list_cli(
             set_statement_timeout(conn, settings.statement_timeout_seconds)
             rows = list_dead(conn, reason=reason, limit=limit)
     except DlqInputError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     finally:
         engine.dispose()
     if as_json:

@@ -7,7 +7,6 @@ logged and recorded with stop reason `error`; it never stops the scheduler.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -17,11 +16,12 @@ from enum import StrEnum
 
 import sqlalchemy as sa
 
-from enrichq_schema.states import DeadReason, StopReason
-from enrichq_service import metrics
-from enrichq_service.settings import Settings
+from enrichq_schema import metrics, runlog
+from enrichq_schema.process import process_id
+from enrichq_schema.settings import Settings
+from enrichq_schema.states import Component, DeadReason, StopReason
+from enrichq_schema.text import error_line
 from enrichq_sweeper import counts, recovery, refresh, retention
-from enrichq_sweeper.common import owner_id, sql
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +52,6 @@ class PassReport:
         return self.stop_reason is not StopReason.ERROR
 
 
-def _one_line(exc: BaseException) -> str:
-    """The first line of an error, bounded; driver errors keep their SQLSTATE text only."""
-    orig = getattr(exc, "orig", None) or exc
-    text = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
-    return f"{type(orig).__name__}: {text}"[:ERROR_MAX_CHARS]
-
-
 def _counts(task: Task, duration: float, **values: float) -> dict[str, object]:
     base: dict[str, object] = {
         "task": task.value,
@@ -80,18 +73,17 @@ def run_pass(
     owner: str | None = None,
 ) -> PassReport:
     """Run `body` (returning its counts and whether it was stopped) inside a run-log row."""
-    owner = owner or owner_id()
+    owner = owner or process_id()
     run_id: int | None = None
     try:
         with engine.begin() as conn:
-            run_id = conn.execute(
-                sql()("runs_start"),
-                {"owner": owner, "counts": json.dumps({"task": task.value})},
-            ).scalar_one()
+            run_id = runlog.start(conn, Component.SWEEPER, owner, counts={"task": task.value})
     except Exception as exc:
         # The pass would fail the same way; say so once and let the next pass try again.
-        log.error("sweeper %s pass not started: %s", task.value, _one_line(exc))
-        return PassReport(task, StopReason.ERROR, {"task": task.value}, _one_line(exc))
+        log.error("sweeper %s pass not started: %s", task.value, error_line(exc, ERROR_MAX_CHARS))
+        return PassReport(
+            task, StopReason.ERROR, {"task": task.value}, error_line(exc, ERROR_MAX_CHARS)
+        )
     started = time.perf_counter()
     error: str | None = None
     try:
@@ -99,21 +91,15 @@ def run_pass(
         stop_reason = StopReason.SHUTDOWN if stopped else StopReason.NO_WORK
     except Exception as exc:
         log.exception("sweeper %s pass failed", task.value)
-        values, stop_reason, error = {}, StopReason.ERROR, _one_line(exc)
+        values, stop_reason, error = {}, StopReason.ERROR, error_line(exc, ERROR_MAX_CHARS)
     counts = _counts(task, time.perf_counter() - started, **values)
     try:
         with engine.begin() as conn:
-            conn.execute(
-                sql()("runs_finish"),
-                {
-                    "id": run_id,
-                    "stop_reason": stop_reason.value,
-                    "counts": json.dumps(counts),
-                    "error": error,
-                },
-            )
+            runlog.finish(conn, run_id, stop_reason, counts, error)
     except Exception as exc:
-        log.error("sweeper %s pass: run log not closed: %s", task.value, _one_line(exc))
+        log.error(
+            "sweeper %s pass: run log not closed: %s", task.value, error_line(exc, ERROR_MAX_CHARS)
+        )
     if stop_reason is not StopReason.ERROR:
         metrics.sweeper_last_pass_timestamp_seconds.labels(task.value).set_to_current_time()
     return PassReport(task, stop_reason, counts, error)

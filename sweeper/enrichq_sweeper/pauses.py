@@ -14,7 +14,6 @@ Pausing and resuming are recorded in the audit log in the same transaction.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -24,16 +23,14 @@ import sqlalchemy as sa
 
 from enrichq_schema import audit
 from enrichq_schema.errors import EnrichqError
-from enrichq_schema.states import AuditCommand, Kind
-from enrichq_schema.text import printable, unsafe_character
+from enrichq_schema.process import Exit, say
+from enrichq_schema.states import NOTIFY_CHANNEL, AuditCommand, Kind
+from enrichq_schema.text import printable, text_problem
 from enrichq_sweeper import common
 from enrichq_sweeper.controls import sql
 
 REASON_MAX_LENGTH = 500
 TENANT_MAX_LENGTH = 200
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
 
 
 class PauseError(EnrichqError):
@@ -53,11 +50,8 @@ class Scope:
         if kind is not None and kind not in {k.value for k in Kind}:
             known = ", ".join(k.value for k in Kind)
             raise PauseError(f"--kind: {kind!r} is not a kind (expected one of: {known})")
-        if tenant is not None:
-            if not tenant.strip() or len(tenant) > TENANT_MAX_LENGTH:
-                raise PauseError(f"--tenant: must be 1 to {TENANT_MAX_LENGTH} characters")
-            if (bad := unsafe_character(tenant)) is not None:
-                raise PauseError(f"--tenant: must not contain control or format characters ({bad})")
+        if tenant is not None and (problem := text_problem(tenant, TENANT_MAX_LENGTH)):
+            raise PauseError(f"--tenant: {problem}")
         return cls(kind, tenant)
 
     def describe(self) -> str:
@@ -104,10 +98,8 @@ def check_reason(reason: str | None) -> str | None:
     if reason is None or not reason.strip():
         return None
     reason = reason.strip()
-    if len(reason) > REASON_MAX_LENGTH:
-        raise PauseError(f"--reason: at most {REASON_MAX_LENGTH} characters")
-    if (bad := unsafe_character(reason)) is not None:
-        raise PauseError(f"--reason: must not contain control or format characters ({bad})")
+    if (problem := text_problem(reason, REASON_MAX_LENGTH)) is not None:
+        raise PauseError(f"--reason: {problem}")
     return reason
 
 
@@ -177,7 +169,7 @@ def resume(
     every = [k.value for k in Kind]
     kinds = sorted({k for p in resumed for k in ([p.scope.kind] if p.scope.kind else every)})
     for kind in kinds:
-        conn.execute(common.sql()("queue_notify"), {"kind": kind})
+        conn.execute(common.sql()("queue_notify"), {"kind": kind, "channel": NOTIFY_CHANNEL})
     return resumed
 
 
@@ -187,10 +179,6 @@ def in_place(conn: sa.Connection, *, now: datetime | None = None) -> list[Pause]
 
 
 # -- the CLI's entry points (enrichq pause / enrichq resume)
-
-
-def _say(message: str) -> None:
-    print(f"enrichq: {message}", file=sys.stderr)
 
 
 def _listing(pauses: Sequence[Pause]) -> str:
@@ -214,7 +202,7 @@ def pause_cli(url: str, scope: Scope, *, actor: str, reason: str | None, as_json
     else:
         since = done.paused_at.strftime("%Y-%m-%d %H:%M:%SZ")
         print(f"{done.scope.describe()} was already paused (since {since} by {done.paused_by})")
-    return EXIT_OK
+    return Exit.OK
 
 
 def resume_cli(url: str, scope: Scope | None, *, actor: str, as_json: bool) -> int:
@@ -238,10 +226,10 @@ def resume_cli(url: str, scope: Scope | None, *, actor: str, as_json: bool) -> i
                 }
             )
         )
-        return EXIT_OK if resumed else EXIT_FAILED
+        return Exit.OK if resumed else Exit.FAILED
     if not resumed:
         asked = "any scope" if scope is None else scope.describe()
-        _say(f"resume: nothing is paused at {asked}; paused: {_listing(left)}; nothing changed")
-        return EXIT_FAILED
+        say(f"resume: nothing is paused at {asked}; paused: {_listing(left)}; nothing changed")
+        return Exit.FAILED
     print(f"resumed {_listing(resumed)}" + (f"; still paused: {_listing(left)}" if left else ""))
-    return EXIT_OK
+    return Exit.OK

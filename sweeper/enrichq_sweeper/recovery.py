@@ -11,7 +11,6 @@ rows of a key ever compete for the queue.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -21,7 +20,8 @@ from typing import Any, cast
 
 import sqlalchemy as sa
 
-from enrichq_schema.states import LEASE_EXPIRED_ERROR
+from enrichq_schema.process import PluginError, load_callable
+from enrichq_schema.states import LEASE_EXPIRED_ERROR, NOTIFY_CHANNEL
 from enrichq_sweeper.common import (
     DEFAULT_BATCH_SIZE,
     STATEMENT_TIMEOUT_SECONDS_DEFAULT,
@@ -116,17 +116,10 @@ def log_gave_up(rows: Sequence[GaveUp]) -> None:
 
 def load_hook(path: str) -> GaveUpHook:
     """The callable named by `path` ("package.module:function"); HookError if there is none."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr.isidentifier():
-        raise HookError(f"gave-up hook {path!r}: expected package.module:function")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise HookError(f"gave-up hook {path!r}: cannot import {module_name}: {exc}") from None
-    hook = getattr(module, attr, None)
-    if not callable(hook):
-        raise HookError(f"gave-up hook {path!r}: {module_name} has no function {attr}")
-    return cast(GaveUpHook, hook)
+        return cast(GaveUpHook, load_callable(path))
+    except PluginError as exc:
+        raise HookError(f"gave-up hook {exc}") from None
 
 
 def scan(
@@ -161,6 +154,7 @@ def recover_batch(
         "kinds": sorted({e.kind for e in page}),
         "keys": sorted({e.key for e in page}),
         "lease_expired": LEASE_EXPIRED_ERROR,
+        "channel": NOTIFY_CHANNEL,
         "now": now,
     }
     rows = retry_races(conn, lambda: conn.execute(sql()("recovery_recover_batch"), params).all())

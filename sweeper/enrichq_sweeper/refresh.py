@@ -20,8 +20,9 @@ from functools import cache
 
 import sqlalchemy as sa
 
-from enrichq_schema.states import KEY_MAX_LENGTH, OWNERLESS_PRIORITY, Kind
-from enrichq_service.settings import Settings
+from enrichq_schema.identifiers import qualified, render
+from enrichq_schema.settings import Settings
+from enrichq_schema.states import KEY_MAX_LENGTH, NOTIFY_CHANNEL, OWNERLESS_PRIORITY, Kind
 from enrichq_sweeper.common import DEFAULT_BATCH_SIZE, set_statement_timeout, sql
 
 UPDATED_WITHIN_SECONDS = 7 * 86_400.0
@@ -38,10 +39,7 @@ def _statement(tickets_table: str, dialect: sa.Dialect) -> sa.TextClause:
     checked it is schema.table of plain identifiers, and each part is quoted by the
     dialect's identifier preparer besides.
     """
-    preparer = dialect.identifier_preparer
-    schema, table = tickets_table.split(".")
-    quoted = f"{preparer.quote_schema(schema)}.{preparer.quote(table)}"
-    return sa.text(sql()["refresh_enqueue_page"].sql.replace("{tickets_table}", quoted))
+    return render(sql()["refresh_enqueue_page"], tickets_table=qualified(dialect, tickets_table))
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +76,7 @@ def enqueue_page(
         },
     ).one()
     if row.inserted:
-        conn.execute(sql()("queue_notify"), {"kind": Kind.REFRESH.value})
+        conn.execute(sql()("queue_notify"), {"kind": Kind.REFRESH.value, "channel": NOTIFY_CHANNEL})
     last = None if row.scanned < batch_size else (row.last_updated_at, row.last_id)
     return Page(int(row.inserted), int(row.scanned), last)
 

@@ -15,7 +15,7 @@ from datetime import datetime
 import sqlalchemy as sa
 
 from enrichq_schema.queries import load
-from enrichq_service.settings import EVENT_DEDUPE_HOURS_DEFAULT
+from enrichq_schema.settings import EVENT_DEDUPE_HOURS_DEFAULT
 from enrichq_sweeper.common import (
     DEFAULT_BATCH_SIZE,
     STATEMENT_TIMEOUT_SECONDS_DEFAULT,

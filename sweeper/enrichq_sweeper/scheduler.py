@@ -11,59 +11,29 @@ stays quick to start.
 from __future__ import annotations
 
 import logging
-import signal
-import sys
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from types import FrameType
 from typing import Any
 
 import sqlalchemy as sa
 
-from enrichq_service import metrics
-from enrichq_service.settings import Settings
+from enrichq_schema import metrics
+from enrichq_schema.process import Exit, process_id, say, stop_on_signals
+from enrichq_schema.settings import Settings
 from enrichq_sweeper import passes
-from enrichq_sweeper.common import owner_id
 from enrichq_sweeper.errors import HookError
 from enrichq_sweeper.leader import LeaderLock
 from enrichq_sweeper.recovery import GaveUpHook, load_hook
 
 log = logging.getLogger(__name__)
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
 # A follower asks for the lock this often (or every sweep interval, if that is shorter).
 LEADER_RETRY_SECONDS_MAX = 5.0
 RETENTION_INTERVAL_SECONDS = 86_400.0
 SECONDS_PER_HOUR = 3600.0
 SCHEDULER_THREADS = 4
-
-
-def _say(message: str) -> None:
-    print(f"enrichq: {message}", file=sys.stderr)
-
-
-@contextmanager
-def _signals(stop: threading.Event) -> Iterator[None]:
-    """SIGTERM and SIGINT set `stop` (only the main thread may install handlers)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        log.info("received %s: stopping", signal.Signals(signum).name)
-        stop.set()
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
 
 
 def _check_schema(engine: sa.Engine) -> str | None:
@@ -80,6 +50,12 @@ def _check_schema(engine: sa.Engine) -> str | None:
     return None
 
 
+# A task the caller adds to the leader's schedule: (settings, database URL) -> None. The
+# sweeper runs parity this way without importing it (`enrichq sweep` passes
+# enrichq_parity.parity.run_scheduled), so the sweeper and parity stay side by side.
+ScheduledTask = Callable[[Settings, str], None]
+
+
 @dataclass(frozen=True, slots=True)
 class _Tasks:
     """The leader's jobs over one engine; `should_stop` ends a pass between batches."""
@@ -90,6 +66,7 @@ class _Tasks:
     hook: GaveUpHook
     owner: str
     should_stop: Callable[[], bool]
+    scheduled_parity: ScheduledTask | None = None
 
     def recovery(self) -> bool:
         report = passes.recovery_pass(
@@ -114,13 +91,11 @@ class _Tasks:
         return passes.counts_pass(self.engine, self.settings, owner=self.owner).ok
 
     def parity(self) -> bool:
-        try:
-            from enrichq_parity.parity import run_scheduled
-        except ImportError as exc:
-            log.error("scheduled parity skipped: enrichq_parity is not available (%s)", exc)
+        if self.scheduled_parity is None:
+            log.error("scheduled parity skipped: this sweeper was started without it")
             return False
         try:
-            run_scheduled(self.settings, self.url)
+            self.scheduled_parity(self.settings, self.url)
         except Exception:
             log.exception("scheduled parity failed")
             return False
@@ -172,25 +147,31 @@ def _quiet_apscheduler(settings: Settings) -> None:
         logging.getLogger("apscheduler").setLevel(logging.WARNING)
 
 
-def run_sweeper(settings: Settings, url: str, *, once: bool) -> int:
-    """Run the sweeper until SIGTERM/SIGINT (or each task once with `once`); the exit code."""
+def run_sweeper(
+    settings: Settings, url: str, *, once: bool, scheduled_parity: ScheduledTask | None = None
+) -> int:
+    """Run the sweeper until SIGTERM/SIGINT (or each task once with `once`); the exit code.
+
+    With ENRICHQ_PARITY_INTERVAL_HOURS set, the leader also runs `scheduled_parity`."""
     from enrichq_schema.db import create_engine
 
     try:
         hook = load_hook(settings.gave_up_hook)
     except HookError as exc:
-        _say(f"invalid setting ENRICHQ_GAVE_UP_HOOK: {exc}")
-        return EXIT_USAGE
-    owner = owner_id()
+        say(f"invalid setting ENRICHQ_GAVE_UP_HOOK: {exc}")
+        return Exit.USAGE
+    owner = process_id()
     engine = create_engine(url, application_name="enrichq-sweeper", pool_size=SCHEDULER_THREADS)
-    sweeper = _Sweeper(engine, settings, url, hook, owner, LeaderLock(url, owner=owner))
+    sweeper = _Sweeper(
+        engine, settings, url, hook, owner, LeaderLock(url, owner=owner), scheduled_parity
+    )
     try:
         problem = _check_schema(engine)
         if problem:
-            _say(problem)
-            return EXIT_FAILED
+            say(problem)
+            return Exit.FAILED
         _quiet_apscheduler(settings)
-        with _signals(sweeper.stop):
+        with stop_on_signals(sweeper.stop):
             if once:
                 return sweeper.run_once()
             if settings.metrics_port:
@@ -199,8 +180,8 @@ def run_sweeper(settings: Settings, url: str, *, once: bool) -> int:
                 try:
                     start_http_server(settings.metrics_port)
                 except OSError as exc:
-                    _say(f"cannot serve /metrics on port {settings.metrics_port}: {exc.strerror}")
-                    return EXIT_FAILED
+                    say(f"cannot serve /metrics on port {settings.metrics_port}: {exc.strerror}")
+                    return Exit.FAILED
             return sweeper.lead_or_follow()
     finally:
         metrics.sweeper_is_leader.set(0)
@@ -218,16 +199,25 @@ class _Sweeper:
     hook: GaveUpHook
     owner: str
     lock: LeaderLock
+    scheduled_parity: ScheduledTask | None = None
     stop: threading.Event = field(default_factory=threading.Event)
 
     def tasks(self, should_stop: Callable[[], bool]) -> _Tasks:
-        return _Tasks(self.engine, self.settings, self.url, self.hook, self.owner, should_stop)
+        return _Tasks(
+            self.engine,
+            self.settings,
+            self.url,
+            self.hook,
+            self.owner,
+            should_stop,
+            self.scheduled_parity,
+        )
 
     def run_once(self) -> int:
         """Every task once, if no other sweeper leads; 1 when a task failed."""
         if not self.lock.try_acquire():
             log.warning("another sweeper holds the leader lock and runs these tasks; nothing done")
-            return EXIT_OK
+            return Exit.OK
         metrics.sweeper_is_leader.set(1)
         failed = []
         for name, job, _ in self.tasks(self.stop.is_set).schedule():
@@ -238,9 +228,9 @@ class _Sweeper:
         self.lock.release()
         metrics.sweeper_is_leader.set(0)
         if failed:
-            _say(f"sweep --once: {', '.join(failed)} failed (see the log)")
-            return EXIT_FAILED
-        return EXIT_OK
+            say(f"sweep --once: {', '.join(failed)} failed (see the log)")
+            return Exit.FAILED
+        return Exit.OK
 
     def lead_or_follow(self) -> int:
         """Follow until the lock is free, lead while it is held, until `stop` is set."""
@@ -282,4 +272,4 @@ class _Sweeper:
             step_down()
             self.lock.release()
         log.info("sweeper %s stopped", self.owner)
-        return EXIT_OK
+        return Exit.OK

@@ -67,8 +67,8 @@ def cpu_seconds(pid: int) -> float | None:
 
 def serve_main(database_url: str) -> None:
     """Child process: the app under uvicorn on a free port; prints it, stops at stdin EOF."""
+    from enrichq_schema.settings import Settings
     from enrichq_service.http import create_app, start_server_thread
-    from enrichq_service.settings import Settings
 
     settings = Settings.load(database_url=database_url, webhook_secret=SECRET)
     engine = create_engine(database_url, pool_size=16)

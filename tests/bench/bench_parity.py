@@ -253,7 +253,7 @@ def parity_child(url: str, since: str, until: str, csv_path: str | None = None) 
     """In a fresh process: one parity run (with the accept rules, and a CSV export when
     given a path); print its time, this process's peak RSS and what it found."""
     from enrichq_parity.parity import run_parity
-    from enrichq_service.settings import Settings
+    from enrichq_schema.settings import Settings
 
     settings = Settings.load(database_url=url, statement_timeout_seconds=600)
     # The read pool's connections are opened first, so their server processes' CPU is

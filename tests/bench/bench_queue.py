@@ -36,9 +36,9 @@ import psycopg
 import sqlalchemy as sa
 
 from enrichq_schema.db import create_engine
+from enrichq_schema.settings import Settings
 from enrichq_service import queue
 from enrichq_service.queue import EnqueueRequest
-from enrichq_service.settings import Settings
 from enrichq_service.worker import ThreadConnection, build_engines
 from tests.bench.common import (
     console,
@@ -825,7 +825,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             soak_rows,
             note=vacuum_note,
         )
-        first, last = float(soak_rows[0][3]), float(soak_rows[-1][3])  # type: ignore[arg-type]
+        first, last = float(soak_rows[0][3]), float(soak_rows[-1][3])  # type: ignore[arg-type]  # the figures column is numeric
         value = ratio(last, first)
         targets.append(
             [

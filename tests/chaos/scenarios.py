@@ -28,9 +28,10 @@ import sqlalchemy as sa
 from enrichq_schema.db import create_engine
 from enrichq_service import queue, seed
 from enrichq_service.queue import EnqueueRequest
-from tests.conftest import make_settings
+from tests.support.db import q
 from tests.support.enrichers import BAD_FIELDS, bad_data_fate
 from tests.support.procs import enrichq_env, spawn, stop, wait_for
+from tests.support.settings import make_settings
 
 AUDIT = """
 CREATE TABLE IF NOT EXISTS public.result_writes (
@@ -78,11 +79,6 @@ class Outcome:
     @property
     def time_to_recover(self) -> float:
         return max(self.recover_seconds, default=0.0)
-
-
-def q(engine: sa.Engine, sql: str, **params: Any) -> list[tuple[Any, ...]]:
-    with engine.connect() as conn:
-        return [tuple(r) for r in conn.execute(sa.text(sql), params)]
 
 
 def prepare(
@@ -418,7 +414,7 @@ def db_restart(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Out
     import tempfile
 
     from enrichq_schema.db import ensure_database, migrate
-    from enrichq_schema.embedded import EmbeddedPostgres
+    from enrichq_schema.postgres_supervisor import EmbeddedPostgres
 
     base = Path(tempfile.mkdtemp(prefix="enrichq-chaos-pg-", dir="/tmp"))
     base.chmod(0o711)
@@ -438,7 +434,7 @@ def db_restart(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Out
                 for fraction, crash in ((0.2, False), (0.6, True)):
                     target = tickets * fraction
                     wait_for(
-                        lambda t=target: q(engine, done)[0][0] >= t,  # type: ignore[misc]
+                        lambda t=target: q(engine, done)[0][0] >= t,  # type: ignore[misc]  # default-bound loop variable
                         timeout=240,
                         what=f"{fraction:.0%} done",
                     )

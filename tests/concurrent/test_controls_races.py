@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 
 import pytest
 import sqlalchemy as sa
-from tests.conftest import make_settings
 from tests.support.procs import wait_for
+from tests.support.settings import make_settings
 
 from enrichq_service import queue
 from enrichq_service.queue import EnqueueRequest, Job
@@ -187,7 +187,7 @@ def run_in_background(call: Callable[[], T], *, until: Callable[[], bool]) -> li
         value = box[0]
         if isinstance(value, BaseException):
             raise value
-        return value  # type: ignore[no-any-return]
+        return value  # type: ignore[no-any-return]  # the box holds the call's own result
 
     return [result]
 

@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from tests.conftest import make_settings
 from tests.support.procs import wait_for
+from tests.support.settings import make_settings
 
+from enrichq_schema.settings import Settings
 from enrichq_service import events as ingest
 from enrichq_service.queue import EnqueueRequest
-from enrichq_service.settings import Settings
 
 TRIALS = 20
 SENDERS = 4

@@ -12,16 +12,16 @@ from typing import TypeVar
 import pytest
 import sqlalchemy as sa
 import sqlalchemy.exc as sa_exc
-from tests.concurrent._claimer import ClaimReport, claim_until_empty
-from tests.conftest import make_settings
-from tests.support.procs import wait_for as shared_wait_for
+from tests.support.claimer import ClaimReport, claim_until_empty
+from tests.support.procs import wait_for
+from tests.support.settings import make_settings
 
 from enrichq_schema.db import create_engine
 from enrichq_schema.errors import constraint_name
+from enrichq_schema.settings import Settings
 from enrichq_schema.tables import QUEUED_KEY_INDEX
 from enrichq_service import queue
 from enrichq_service.queue import EnqueueRequest, EnqueueResult
-from enrichq_service.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 PROCESSES = 8
@@ -49,12 +49,7 @@ def run_together(calls: list[Callable[[], T]], *, timeout: float = 60) -> list[T
     for thread in threads:
         thread.join(timeout)
     assert not any(t.is_alive() for t in threads), "a racing call never finished"
-    return results  # type: ignore[return-value]
-
-
-def wait_for(condition: Callable[[], bool], *, timeout: float = 30) -> None:
-    """Poll `condition` until it holds; fail after `timeout` seconds."""
-    shared_wait_for(condition, timeout=timeout, interval=0.02)
+    return results  # type: ignore[return-value]  # every slot filled: the threads all finished
 
 
 def count_states(engine: sa.Engine) -> dict[str, int]:
@@ -79,7 +74,7 @@ def test_eight_processes_never_share_a_row_and_finish_each_once(
     ids = {r.id for r in results if r.id is not None}
     assert len(ids) == ROWS
 
-    monkeypatch.syspath_prepend(str(REPO))  # spawned children import tests.concurrent._claimer
+    monkeypatch.syspath_prepend(str(REPO))  # spawned children import tests.support.claimer
     ctx = multiprocessing.get_context("spawn")
     start = ctx.Barrier(PROCESSES)
     out = ctx.Queue()
@@ -272,8 +267,8 @@ def test_retries_and_defers_racing_enqueues_never_fail_nor_double_queue(db_url: 
             calls: list[Callable[[], str]] = []
             for n, job in enumerate(jobs):
                 use_defer = (n + round_no) % 2 == 0
-                calls.append(lambda job=job, d=use_defer: settle(job, d))  # type: ignore[misc]
-                calls.append(lambda key=job.key: enqueue(key))  # type: ignore[misc]
+                calls.append(lambda job=job, d=use_defer: settle(job, d))  # type: ignore[misc]  # default-bound loop variables
+                calls.append(lambda key=job.key: enqueue(key))  # type: ignore[misc]  # default-bound loop variable
             results = run_together(calls)
             errors = [r for r in results if isinstance(r, BaseException)]
             assert errors == [], f"round {round_no}: {errors[:3]}"

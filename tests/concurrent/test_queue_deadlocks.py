@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 import sqlalchemy.exc as sa_exc
-from tests.conftest import make_settings
+from tests.support.settings import make_settings
 
 from enrichq_schema.db import create_engine
+from enrichq_schema.settings import Settings
 from enrichq_service import queue
 from enrichq_service.queue import EnqueueRequest, Job, Settle, SettleAction
-from enrichq_service.settings import Settings
 from enrichq_sweeper import recovery
 
 pytestmark = pytest.mark.slow

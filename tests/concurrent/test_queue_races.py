@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 import sqlalchemy as sa
 import sqlalchemy.exc as sa_exc
-from tests.conftest import make_settings
 from tests.support.procs import wait_for
+from tests.support.settings import make_settings
 
 from enrichq_schema.db import create_engine
 from enrichq_schema.errors import constraint_name

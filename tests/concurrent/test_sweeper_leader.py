@@ -8,13 +8,13 @@ import socket
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, TypeVar
 
 import pytest
 import sqlalchemy as sa
-from tests.support.procs import wait_for as shared_wait_for
+from tests.support.procs import wait_for
 
 from enrichq_sweeper.leader import SWEEPER_LOCK_ID
 
@@ -31,13 +31,6 @@ HOLDERS = sa.text(
       AND l.classid = CAST(:hi AS oid) AND l.objid = CAST(:lo AS oid) AND l.objsubid = 1
     """
 )
-
-
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float = DEADLINE_SECONDS) -> T:
-    """Poll `probe` until it returns something truthy, or fail after `timeout` seconds."""
-    value = shared_wait_for(probe, timeout=timeout, what=what)
-    assert value is not None
-    return value
 
 
 class Sweeper:
@@ -154,14 +147,28 @@ def test_only_the_leader_sweeps_and_the_other_takes_over_when_it_dies(
                     return sweeper
         return None
 
-    first = wait_for("a leader", leader)
+    first = wait_for(leader, what="a leader", timeout=DEADLINE_SECONDS)
     [second] = [s for s in sweepers if s is not first]
     # the follower is alive and connected for its tries, but holds nothing
-    wait_for("the follower to connect", lambda: second.owner in connected(db_engine))
+    wait_for(
+        lambda: second.owner in connected(db_engine),
+        what="the follower to connect",
+        timeout=DEADLINE_SECONDS,
+    )
     assert second.proc.poll() is None
 
     expire_leases(db_engine, ["T-1", "T-2"])
-    wait_for("the leader to recover the leases", lambda: leased(db_engine) == 0)
+    wait_for(
+        lambda: leased(db_engine) == 0,
+        what="the leader to recover the leases",
+        timeout=DEADLINE_SECONDS,
+    )
+    # the pass's run-log row is closed (with its counts) just after its batch commits
+    wait_for(
+        lambda: recovering_owners(db_engine),
+        what="the recovery pass's run-log row",
+        timeout=DEADLINE_SECONDS,
+    )
     assert recovering_owners(db_engine) == {first.owner}
     with db_engine.connect() as conn:
         passes_by = set(conn.execute(sa.text("SELECT DISTINCT owner FROM enrichq.runs")).scalars())
@@ -171,10 +178,19 @@ def test_only_the_leader_sweeps_and_the_other_takes_over_when_it_dies(
 
     first.proc.send_signal(signal.SIGKILL)
     first.proc.wait(timeout=DEADLINE_SECONDS)
-    assert wait_for("the follower to take over", leader) is second
+    assert wait_for(leader, what="the follower to take over", timeout=DEADLINE_SECONDS) is second
 
     expire_leases(db_engine, ["T-3"])
-    wait_for("the new leader to recover the leases", lambda: leased(db_engine) == 0)
+    wait_for(
+        lambda: leased(db_engine) == 0,
+        what="the new leader to recover the leases",
+        timeout=DEADLINE_SECONDS,
+    )
+    wait_for(
+        lambda: second.owner in recovering_owners(db_engine),
+        what="the new leader's run-log row",
+        timeout=DEADLINE_SECONDS,
+    )
     assert recovering_owners(db_engine) == {first.owner, second.owner}
     with db_engine.connect() as conn:
         t3 = conn.execute(
@@ -227,20 +243,27 @@ def test_a_leader_whose_lock_session_dies_steps_down_and_leads_again(
                 ).scalar()
                 return None if pid is None else int(pid)
 
-        first_session = wait_for("the sweeper to lead", lock_session)
+        first_session = wait_for(lock_session, what="the sweeper to lead", timeout=DEADLINE_SECONDS)
         wait_for(
-            "/metrics to show the leader", lambda: is_leader() == "enrichq_sweeper_is_leader 1.0"
+            lambda: is_leader() == "enrichq_sweeper_is_leader 1.0",
+            what="/metrics to show the leader",
+            timeout=DEADLINE_SECONDS,
         )
         with db_engine.connect() as conn:
             conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": first_session})
         wait_for(
-            "the sweeper to lead again on a new session",
             lambda: (lock_session() or first_session) != first_session,
+            what="the sweeper to lead again on a new session",
+            timeout=DEADLINE_SECONDS,
         )
         assert "lost the leader lock" in sweeper.output()
         assert sweeper.proc.poll() is None
         expire_leases(db_engine, ["T-1"])
-        wait_for("the leases to be recovered", lambda: leased(db_engine) == 0)
+        wait_for(
+            lambda: leased(db_engine) == 0,
+            what="the leases to be recovered",
+            timeout=DEADLINE_SECONDS,
+        )
         sweeper.proc.send_signal(signal.SIGTERM)
         assert sweeper.proc.wait(timeout=DEADLINE_SECONDS) == 0, sweeper.output()
     finally:

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from tests.conftest import make_settings
 from tests.support.procs import wait_for
+from tests.support.settings import make_settings
 
 from enrichq_schema import audit
 from enrichq_schema.states import AuditCommand

@@ -20,8 +20,10 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from tests.support.pg import Databases
+from tests.support.plans import SCAN_TYPES, explain, walk
 
 from enrichq_schema.db import create_engine
+from enrichq_schema.states import NOTIFY_CHANNEL
 from enrichq_sweeper import controls
 from enrichq_sweeper.filters import Filter, Scope
 
@@ -52,7 +54,6 @@ SELECT 'enrich', 'L-' || g, 'acme', 1, 'updated', 'leased', now() - interval '5 
 FROM generate_series(1, 200) AS g;
 """
 
-SCAN_TYPES = {"Seq Scan", "Index Scan", "Index Only Scan", "Bitmap Heap Scan", "Tid Scan"}
 OPEN_INDEXES = {
     "queue_queued_key_uq",
     "queue_claim_idx",
@@ -79,20 +80,9 @@ def engine(databases: Databases) -> Iterator[sa.Engine]:
         databases.drop(url)
 
 
-def walk(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    yield node
-    for child in node.get("Plans", []):
-        yield from walk(child)
-
-
 def plan_of(conn: sa.Connection, name: str, params: dict[str, Any]) -> dict[str, Any]:
     """The JSON plan of a controls statement, planned with its parameters (as it runs)."""
-    raw = conn.execute(
-        sa.text("EXPLAIN (FORMAT JSON) " + controls.sql()[name].sql), params
-    ).scalar_one()
-    document = json.loads(raw) if isinstance(raw, str) else raw
-    plan: dict[str, Any] = document[0]["Plan"]
-    return plan
+    return explain(conn, controls.sql()[name].sql, params)
 
 
 def queue_reads(plan: dict[str, Any]) -> tuple[list[str], set[str]]:
@@ -178,7 +168,13 @@ def batch_ids(engine: sa.Engine, scope: Scope) -> tuple[list[int], list[int]]:
 def test_a_batch_finds_its_rows_by_id(engine: sa.Engine, name: str, scope: Scope) -> None:
     ids, winners = batch_ids(engine, scope)
     flt = Filter.build(scope, tenant="acme")
-    params = {**flt.params(), "batch_ids": ids, "winners": winners, "now": None}
+    params = {
+        **flt.params(),
+        "batch_ids": ids,
+        "winners": winners,
+        "channel": NOTIFY_CHANNEL,
+        "now": None,
+    }
     if name == "controls_sample":
         params = {"ids": ids[:10]}
     with engine.connect() as conn:

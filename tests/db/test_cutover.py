@@ -6,15 +6,16 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from tests.conftest import make_settings
 from tests.support.parity_world import add_ticket, create_sources
-from tests.support.procs import wait_for as shared_wait_for
+from tests.support.plans import walk
+from tests.support.procs import wait_for
+from tests.support.settings import make_settings
 
 from enrichq_parity.cutover import (
     SHADOW_TABLE,
@@ -34,8 +35,8 @@ from enrichq_parity.cutover import (
 )
 from enrichq_parity.model import Approval, Tally, Thresholds
 from enrichq_schema.db import create_engine
+from enrichq_schema.settings import Settings
 from enrichq_service.cli import main
-from enrichq_service.settings import Settings
 
 TENANTS = ("acme", "globex", "initech")
 TICKETS_PER_TENANT = 3
@@ -311,7 +312,7 @@ def test_a_refused_cutover_changes_nothing(
     run_id = None
     if setup is not None:
         with engine.begin() as conn:
-            run_id = add_run(conn, **setup)  # type: ignore[arg-type]
+            run_id = add_run(conn, **setup)  # type: ignore[arg-type]  # parametrized keyword arguments
     assert main(["cutover", "--tenant", "acme"]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
@@ -485,7 +486,7 @@ def test_two_cutovers_at_once_record_one_event(world: tuple[sa.Engine, Settings]
         ]
         for t in threads:
             t.start()
-        wait_for(lambda: _lock_waiters(engine) == 2, "both cutovers to wait on the lock")
+        wait_for(lambda: _lock_waiters(engine) == 2, what="both cutovers to wait on the lock")
         holder.execute(sa.text("SELECT pg_advisory_unlock(hashtext('enrichq.cutover'))"))
         holder.commit()
         for t in threads:
@@ -505,10 +506,6 @@ def _lock_waiters(engine: sa.Engine) -> int:
             )
         ).scalar_one()
     return n
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 30) -> None:
-    shared_wait_for(condition, timeout=timeout, interval=0.02, what=what)
 
 
 # -- readers during the swaps ----------------------------------------------------------------
@@ -577,12 +574,6 @@ def test_readers_see_one_side_per_tenant_during_swaps(world: tuple[sa.Engine, Se
 # -- reading one ticket stays an index lookup ------------------------------------------------
 
 
-def _plan_nodes(node: Mapping[str, object]) -> Iterable[Mapping[str, object]]:
-    yield node
-    for child in node.get("Plans", []):  # type: ignore[attr-defined]
-        yield from _plan_nodes(child)
-
-
 @pytest.mark.parametrize("mode", ["legacy", "staged", "shadow"])
 def test_reading_one_ticket_through_the_view_is_an_index_lookup(
     db_engine: sa.Engine, db_url: str, mode: str
@@ -627,7 +618,7 @@ def test_reading_one_ticket_through_the_view_is_an_index_lookup(
             {"t": "T-4242"},
         ).scalar_one()
         rows = conn.execute(sa.text(f"SELECT * FROM {VIEW} WHERE ticket_id = 'T-4242'")).all()
-    nodes = list(_plan_nodes(plan_json[0]["Plan"]))
+    nodes = list(walk(plan_json[0]["Plan"]))
     scanned = [
         (str(n["Relation Name"]), str(n["Node Type"])) for n in nodes if "Relation Name" in n
     ]

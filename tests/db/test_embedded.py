@@ -8,17 +8,21 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import psycopg
 import pytest
 import sqlalchemy as sa
-from tests.support.procs import wait_for as shared_wait_for
+from tests.support.procs import wait_for
 
-from enrichq_schema import embedded
-from enrichq_schema.embedded import EmbeddedPostgres, EmbeddedPostgresError, default_data_dir
+from enrichq_schema import postgres_supervisor as embedded
+from enrichq_schema.postgres_supervisor import (
+    EmbeddedPostgres,
+    EmbeddedPostgresError,
+    default_data_dir,
+)
 
 pytestmark = [pytest.mark.db, pytest.mark.slow]
 
@@ -28,7 +32,7 @@ DEADLINE = 20.0
 CHILD = """
 import sys, time
 from pathlib import Path
-from enrichq_schema.embedded import EmbeddedPostgres
+from enrichq_schema.postgres_supervisor import EmbeddedPostgres
 
 base = Path(sys.argv[1])
 EmbeddedPostgres(base).start()
@@ -37,10 +41,6 @@ pid = (base / "data" / "postmaster.pid").read_text().split()[0]
 (base / "child.tmp").rename(base / "child.pid")
 time.sleep(3600)
 """
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = DEADLINE) -> None:
-    shared_wait_for(condition, timeout=timeout, what=what)
 
 
 def traversable_by_others(path: Path) -> bool:
@@ -157,16 +157,24 @@ def test_killed_parent_leaves_no_orphan_and_the_next_start_succeeds(base_dir: Pa
     )
     try:
         pid_file = base_dir / "child.pid"
-        wait_for(lambda: pid_file.exists() or child.poll() is not None, "the child's server")
+        wait_for(
+            lambda: pid_file.exists() or child.poll() is not None,
+            what="the child's server",
+            timeout=DEADLINE,
+        )
         assert child.poll() is None, f"the child exited with {child.returncode}"
         pid = int(pid_file.read_text())
         assert alive(pid)
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait(DEADLINE)
-    wait_for(lambda: not alive(pid), f"postmaster {pid} to die with its parent")
+    wait_for(
+        lambda: not alive(pid), what=f"postmaster {pid} to die with its parent", timeout=DEADLINE
+    )
     data_dir = base_dir / "data"
-    wait_for(lambda: not processes_in(data_dir), "the server's children to exit")
+    wait_for(
+        lambda: not processes_in(data_dir), what="the server's children to exit", timeout=DEADLINE
+    )
 
     with EmbeddedPostgres(base_dir) as pg:
         assert query(pg.url, "SELECT 1") == 1

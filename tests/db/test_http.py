@@ -15,12 +15,12 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
 from sqlalchemy.engine import make_url
-from tests.conftest import make_settings
 from tests.support.pg import Databases
+from tests.support.settings import make_settings
 
 from enrichq_schema.db import create_engine
+from enrichq_schema.settings import Settings
 from enrichq_service.http import create_app, sign, start_server_thread
-from enrichq_service.settings import Settings
 
 SECRET = "whsec-test-5b1f0c9e7a3d"
 URL = "/v1/events"

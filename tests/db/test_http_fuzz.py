@@ -19,8 +19,8 @@ import sqlalchemy as sa
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, settings
-from tests.conftest import make_settings
 from tests.support.pg import Databases
+from tests.support.settings import make_settings
 
 from enrichq_schema.db import create_engine
 from enrichq_service.http import create_app, sign

@@ -15,14 +15,14 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
 from sqlalchemy.engine import make_url
-from tests.conftest import make_settings
 from tests.support.pg import Databases
+from tests.support.settings import make_settings
 
 from enrichq_schema.db import create_engine
+from enrichq_schema.settings import Settings
 from enrichq_service import events as ingest
 from enrichq_service.http import create_app, sign
 from enrichq_service.queue import EnqueueRequest
-from enrichq_service.settings import Settings
 from enrichq_sweeper import retention
 
 OLD_SECRET = "whsec-old-8e2c41"
@@ -266,7 +266,7 @@ def test_the_secrets_stay_out_of_responses_metrics_logs_and_the_settings_dump(
 
 
 def test_an_empty_secret_in_the_list_is_refused_without_showing_the_others() -> None:
-    from enrichq_service.errors import SettingsError
+    from enrichq_schema.errors import SettingsError
 
     with pytest.raises(SettingsError) as info:
         Settings.load(webhook_secret=f"{NEW_SECRET},,{OLD_SECRET}")

@@ -14,8 +14,8 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from tests.conftest import make_settings
 from tests.support.pg import Databases
+from tests.support.settings import make_settings
 
 from enrichq_schema.db import create_engine
 from enrichq_service import queue

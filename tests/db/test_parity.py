@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 from prometheus_client import REGISTRY
-from tests.conftest import make_settings
 from tests.support.parity_world import (
     DAY1,
     DAY2,
@@ -24,8 +23,9 @@ from tests.support.parity_world import (
     seed_every_class,
 )
 from tests.support.pg import Databases
+from tests.support.plans import walk
+from tests.support.settings import make_settings, parity_settings
 
-from enrichq_parity import names
 from enrichq_parity.model import (
     Fault,
     Mismatch,
@@ -44,27 +44,16 @@ from enrichq_parity.parity import (
     run_parity,
     run_scheduled,
 )
+from enrichq_schema import identifiers as names
 from enrichq_schema import tables
 from enrichq_schema.db import create_engine
+from enrichq_schema.settings import Settings
 from enrichq_service.cli import main
-from enrichq_service.settings import Settings
 
 # re-exported for the other test modules that build parity worlds
 __all__ = ["add_ticket", "create_sources"]
 
 BARS = Thresholds(min_order_coverage=0.995, max_shadow_fault_rate=0.005, min_ticket_match_rate=0.99)
-
-
-def parity_settings(url: str, **overrides: object) -> Settings:
-    values: dict[str, object] = {
-        "delay_created_seconds": 600,
-        "parity_grace_seconds": 3600,
-        "parity_min_order_coverage": 0.995,
-        "parity_max_shadow_fault_rate": 0.005,
-        "parity_min_ticket_match_rate": 0.99,
-    }
-    values.update(overrides)
-    return make_settings(url, **values)
 
 
 def run(
@@ -178,7 +167,7 @@ def test_shadow_only_orders_are_verified_against_the_warehouse(
 
     def build(conn: sa.Connection) -> None:
         create_sources(conn)
-        add_ticket(conn, "T-1", created_at=DAY1, legacy=["O1"], shadow=["O1", "O2"], **options)  # type: ignore[arg-type]
+        add_ticket(conn, "T-1", created_at=DAY1, legacy=["O1"], shadow=["O1", "O2"], **options)  # type: ignore[arg-type]  # parametrized keyword arguments
 
     seed(db_engine, build)
     t = run(db_engine, parity_settings(db_url)).total
@@ -556,7 +545,7 @@ def _day_plan(engine: sa.Engine, *, seqscan: bool) -> list[Mapping[str, object]]
             },
         ).scalar_one()
         conn.rollback()
-    return list(_nodes(plan[0]["Plan"]))
+    return list(walk(plan[0]["Plan"]))
 
 
 def test_open_queue_checks_use_the_partial_indexes(
@@ -588,12 +577,6 @@ def test_verification_probes_the_warehouse_by_key(every_class: tuple[sa.Engine, 
     }
     assert {name for name, _ in touched} == {"orders", "customers"}
     assert all("Index" in kind for _, kind in touched), touched
-
-
-def _nodes(node: Mapping[str, object]) -> Iterable[Mapping[str, object]]:
-    yield node
-    for child in node.get("Plans", []):  # type: ignore[attr-defined]
-        yield from _nodes(child)
 
 
 def test_day_windows_cut_at_utc_midnight() -> None:

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from tests.db.test_parity import parity_settings
 from tests.support.parity_world import (
     DAY1,
     NOW,
@@ -19,13 +18,14 @@ from tests.support.parity_world import (
     seed_every_class,
     seed_legacy_faults_only,
 )
+from tests.support.settings import parity_settings
 
 from enrichq_parity.accept import parse
 from enrichq_parity.export import COLUMNS
 from enrichq_parity.model import AcceptFile, AcceptRule, ParityReport, TicketClass
 from enrichq_parity.parity import run_parity
+from enrichq_schema.settings import Settings
 from enrichq_service.cli import main
-from enrichq_service.settings import Settings
 
 
 def rule(number: int, ticket_class: str, **scope: object) -> AcceptRule:
@@ -37,7 +37,7 @@ def rule(number: int, ticket_class: str, **scope: object) -> AcceptRule:
         ticket_class=TicketClass(ticket_class),
         reason=f"reason {number}",
         author="alice",
-        **values,  # type: ignore[arg-type]
+        **values,  # type: ignore[arg-type]  # test overrides of any field
     )
 
 

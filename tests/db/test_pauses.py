@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
-from tests.conftest import make_settings
+from tests.support.settings import make_settings
 
 from enrichq_schema import audit
 from enrichq_schema.states import AuditCommand
@@ -206,7 +206,7 @@ def test_the_cli_pauses_lists_and_resumes(
     ("args", "message"),
     [
         (["pause", "--tenant", "a\x07b"], "pause: --tenant: must not contain control"),
-        (["pause", "--reason", "x" * 501], "pause: --reason: at most 500 characters"),
+        (["pause", "--reason", "x" * 501], "pause: --reason: must be 1 to 500 characters"),
         (["pause", "--actor", " "], "pause: actor: must be 1 to 200 characters"),
         (["resume", "--all", "--tenant", "acme"], "resume: --all stands alone"),
         (["resume", "--tenant", ""], "resume: --tenant: must be 1 to 200 characters"),

@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from tests.conftest import make_settings
+from tests.support.settings import make_settings
 
+from enrichq_schema.settings import Settings
 from enrichq_schema.states import Outcome, Plan
 from enrichq_schema.tables import LEASED_KEY_INDEX
 from enrichq_service import queue
 from enrichq_service.queue import EnqueueRequest, Job, QueueInputError
-from enrichq_service.settings import Settings
 from enrichq_sweeper import controls
 from enrichq_sweeper.filters import Filter, Scope
 
@@ -115,7 +115,7 @@ def test_enqueue_a_batch_of_10000_is_one_statement(conn: sa.Connection, cfg: Set
 )
 def test_bad_enqueue_input_is_refused(kwargs: dict[str, object], field: str) -> None:
     with pytest.raises(QueueInputError, match=f"^{field}"):
-        EnqueueRequest.build(**kwargs)  # type: ignore[arg-type]
+        EnqueueRequest.build(**kwargs)  # type: ignore[arg-type]  # bad input on purpose
 
 
 def test_sql_metacharacters_in_keys_and_tenants_are_data(

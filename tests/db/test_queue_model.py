@@ -29,14 +29,14 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from tests.conftest import make_settings
 from tests.support.pg import Databases
+from tests.support.settings import make_settings
 
 from enrichq_schema.db import create_engine
+from enrichq_schema.settings import Settings
 from enrichq_schema.states import Outcome
 from enrichq_service import queue
 from enrichq_service.queue import EnqueueRequest, Job
-from enrichq_service.settings import Settings
 
 T0 = datetime(2026, 3, 2, 9, 0, tzinfo=UTC)
 LEASE = 60.0

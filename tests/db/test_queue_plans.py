@@ -27,7 +27,7 @@ from tests.support.plans import (
 
 from enrichq_schema.db import create_engine
 from enrichq_schema.queries import Queries, load
-from enrichq_schema.states import OWNERLESS_PRIORITY
+from enrichq_schema.states import NOTIFY_CHANNEL, OWNERLESS_PRIORITY
 from enrichq_service.queue import KEY_LOCK_SPACE
 
 QUEUE_SQL = load("enrichq_service", "sql/queue.sql")
@@ -198,6 +198,7 @@ STATEMENTS: dict[str, tuple[Queries, str, Callable[[History], dict[str, Any]], s
             "delays": [120.0] * 20,
             "max_attempts": [5] * 20,
             "middle_priority": OWNERLESS_PRIORITY,
+            "channel": NOTIFY_CHANNEL,
             "now": None,
         },
         {"queue_queued_key_uq"},
@@ -325,7 +326,7 @@ def _claim_plan(conn: sa.Connection, generic: bool) -> dict[str, Any]:
     conn.execute(sa.text("ANALYZE enrichq.queue"))
     _, name, params, _, _ = STATEMENTS["claim"]
     sql = QUEUE_SQL[name].sql
-    return explain(conn, sql, params(None), analyze=True, generic=generic)  # type: ignore[arg-type]
+    return explain(conn, sql, params(None), analyze=True, generic=generic)  # type: ignore[arg-type]  # the claim's params take no history
 
 
 PLANS = pytest.mark.parametrize("generic", [False, True], ids=["custom-plan", "generic-plan"])

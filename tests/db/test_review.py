@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from tests.db.test_parity import parity_settings
 from tests.support.parity_world import add_ticket, seed, seed_legacy_faults_only
+from tests.support.settings import parity_settings
 
 from enrichq_parity.model import AcceptFile, AcceptRule, TicketClass
 from enrichq_parity.parity import run_parity
 from enrichq_parity.review import approvals_of, list_runs
+from enrichq_schema.settings import Settings
 from enrichq_service.cli import main
-from enrichq_service.settings import Settings
 
 CREATED = datetime.now(UTC).replace(microsecond=0) - timedelta(days=2)
 EVERY_LEGACY_FAULT = AcceptFile(

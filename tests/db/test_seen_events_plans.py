@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from tests.support.pg import Databases
+from tests.support.plans import walk
 
 from enrichq_schema.db import create_engine
 from enrichq_schema.queries import load
@@ -43,12 +43,6 @@ def engine(databases: Databases) -> Iterator[sa.Engine]:
     finally:
         eng.dispose()
         databases.drop(url)
-
-
-def walk(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    yield node
-    for child in node.get("Plans", []):
-        yield from walk(child)
 
 
 def test_a_prune_page_reads_the_seen_at_index_and_only_one_page(engine: sa.Engine) -> None:

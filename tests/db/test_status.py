@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import sqlalchemy as sa
-from tests.conftest import make_settings
+from tests.support.settings import make_settings
 
 from enrichq_service import queue
 from enrichq_service.queue import EnqueueRequest

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from tests.conftest import make_settings
+from tests.support.settings import make_settings
 
 from enrichq_schema.states import AuditCommand
 from enrichq_schema.tables import queue

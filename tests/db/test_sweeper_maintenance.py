@@ -10,8 +10,8 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 from prometheus_client import REGISTRY
-from tests.conftest import make_settings
 from tests.support.pg import Databases
+from tests.support.settings import make_settings
 
 from enrichq_schema.db import create_engine
 from enrichq_schema.tables import lookup_log, queue, runs, tenant_served, ticket_enrichments
@@ -413,6 +413,20 @@ def test_sweep_once_runs_every_task_once_and_exits_zero(
     ]
     assert state == "queued"
     assert sample("enrichq_sweeper_is_leader") == 0
+
+
+def test_the_leader_runs_the_parity_task_its_caller_hands_it(
+    with_tickets: sa.Engine, db_url: str
+) -> None:
+    """The sweeper schedules parity without importing it: `enrichq sweep` hands it the task
+    when ENRICHQ_PARITY_INTERVAL_HOURS is set; with none handed, the task says so and fails."""
+    calls: list[str] = []
+    settings = make_settings(db_url, metrics_port=0, parity_interval_hours=24)
+    ran = run_sweeper(
+        settings, db_url, once=True, scheduled_parity=lambda s, url: calls.append(url)
+    )
+    assert (ran, calls) == (0, [db_url])
+    assert run_sweeper(settings, db_url, once=True) == 1
 
 
 def test_sweep_once_exits_one_when_a_task_fails(

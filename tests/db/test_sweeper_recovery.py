@@ -10,8 +10,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
-from tests.conftest import make_settings
+from tests.support.settings import make_settings
 
+from enrichq_schema.states import NOTIFY_CHANNEL
 from enrichq_schema.tables import LEASED_KEY_INDEX, queue
 from enrichq_sweeper import passes, recovery
 from enrichq_sweeper.common import sql as sweeper_sql
@@ -371,6 +372,7 @@ def test_the_batch_write_reaches_rows_by_id_and_the_queued_key_index(
                 "kinds": ["enrich"],
                 "keys": ["K-1", "K-2"],
                 "lease_expired": "x",
+                "channel": NOTIFY_CHANNEL,
                 "now": T0,
             },
         ).scalar_one()

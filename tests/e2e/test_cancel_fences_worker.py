@@ -11,23 +11,18 @@ lookup that ran is still logged.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from tests.conftest import make_settings
+from tests.support.db import q
 from tests.support.procs import enrichq_env, spawn, stop, wait_for
+from tests.support.settings import make_settings
 
 from enrichq_service import queue, seed
 from enrichq_service.cli import main
 from enrichq_service.queue import EnqueueRequest
 
 pytestmark = pytest.mark.slow
-
-
-def q(engine: sa.Engine, sql: str) -> list[tuple[Any, ...]]:
-    with engine.connect() as conn:
-        return [tuple(r) for r in conn.execute(sa.text(sql))]
 
 
 def test_a_cancelled_job_is_never_written_by_its_worker(

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from tests.conftest import make_settings
+from tests.support.db import q
 from tests.support.procs import enrichq_env, spawn, stop, wait_for
+from tests.support.settings import make_settings
 
 from enrichq_service import queue, seed
 from enrichq_service.cli import main
@@ -20,11 +20,6 @@ from enrichq_service.queue import EnqueueRequest
 pytestmark = pytest.mark.slow
 
 POLL_SECONDS = 0.5
-
-
-def q(engine: sa.Engine, sql: str, **params: Any) -> list[tuple[Any, ...]]:
-    with engine.connect() as conn:
-        return [tuple(r) for r in conn.execute(sa.text(sql), params)]
 
 
 def enqueue_all(engine: sa.Engine, url: str, tenant: str | None = None) -> None:

@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from tests.conftest import make_settings
+from tests.support.db import q
 from tests.support.procs import enrichq_env, spawn, stop, wait_for
+from tests.support.settings import make_settings
 
 from enrichq_service import queue, seed
 from enrichq_service.queue import EnqueueRequest
@@ -32,11 +33,6 @@ FAST = {
     "backoff_cap_seconds": 0.2,
     "max_attempts": MAX_ATTEMPTS,
 }
-
-
-def q(engine: sa.Engine, sql: str) -> list[tuple[Any, ...]]:
-    with engine.connect() as conn:
-        return [tuple(r) for r in conn.execute(sa.text(sql))]
 
 
 def poison_rows(engine: sa.Engine) -> list[tuple[Any, ...]]:

@@ -6,12 +6,12 @@ import json
 import socket
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 import sqlalchemy as sa
 from prometheus_client.parser import text_string_to_metric_families
+from tests.support.db import q
 from tests.support.procs import enrichq_env, spawn, stop, wait_for
 
 from enrichq_service import seed
@@ -25,11 +25,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def q(engine: sa.Engine, sql: str, **params: Any) -> list[tuple[Any, ...]]:
-    with engine.connect() as conn:
-        return [tuple(r) for r in conn.execute(sa.text(sql), params)]
 
 
 def signed(body: bytes) -> dict[str, str]:

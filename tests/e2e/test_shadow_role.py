@@ -3,23 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from tests.conftest import make_settings
-from tests.db.test_cutover_roles import service_role
+from tests.support.db import q
 from tests.support.procs import enrichq_env, spawn
+from tests.support.roles import service_role
+from tests.support.settings import make_settings
 
 from enrichq_service import queue, seed
 from enrichq_service.queue import EnqueueRequest
 
 pytestmark = pytest.mark.slow
-
-
-def q(engine: sa.Engine, sql: str) -> list[tuple[Any, ...]]:
-    with engine.connect() as conn:
-        return [tuple(r) for r in conn.execute(sa.text(sql))]
 
 
 def test_worker_under_the_service_role_enriches_but_cannot_write_legacy(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import sqlalchemy as sa
-from tests.conftest import make_settings
+from tests.support.settings import make_settings
 
 from enrichq_service import queue, seed
 from enrichq_service.enrich import load_enricher
@@ -192,7 +192,7 @@ def test_budget_exhausted_defers_with_attempts_unchanged(db_url: str, db_engine:
 def test_enricher_plug_in_path_errors_are_settings_errors() -> None:
     import pytest
 
-    from enrichq_service.errors import SettingsError
+    from enrichq_schema.errors import SettingsError
 
     with pytest.raises(SettingsError, match="ENRICHQ_ENRICHER"):
         load_enricher("tests.support.enrichers:nope")

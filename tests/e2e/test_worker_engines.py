@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import sqlalchemy as sa
 import sqlalchemy.exc as sa_exc
-from tests.conftest import make_settings
+from tests.support.settings import make_settings
 
 from enrichq_service import queue
 from enrichq_service.queue import EnqueueRequest

@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from tests.conftest import make_settings
+from tests.support.db import q
 from tests.support.procs import enrichq_env, spawn, stop, wait_for
+from tests.support.settings import make_settings
 
 from enrichq_schema.db import create_engine, ensure_database, migrate
 from enrichq_service import queue, seed
@@ -23,11 +24,6 @@ from enrichq_sweeper import recovery
 pytestmark = pytest.mark.slow
 
 FAST_LEASE = {"lease_seconds": 2, "heartbeat_seconds": 0.5, "poll_seconds": 0.2}
-
-
-def q(engine: sa.Engine, sql: str, **params: Any) -> list[tuple[Any, ...]]:
-    with engine.connect() as conn:
-        return [tuple(r) for r in conn.execute(sa.text(sql), params)]
 
 
 def seed_and_enqueue(engine: sa.Engine, tickets: int) -> list[str]:
@@ -178,7 +174,7 @@ def test_time_budget_stops_claiming(db_url: str, db_engine: sa.Engine, tmp_path:
 @pytest.fixture
 def own_server() -> Iterator[tuple[Any, str]]:
     """An embedded PostgreSQL this test may restart without disturbing any other test."""
-    from enrichq_schema.embedded import EmbeddedPostgres
+    from enrichq_schema.postgres_supervisor import EmbeddedPostgres
 
     base = Path(tempfile.mkdtemp(prefix="enrichq-restart-", dir="/tmp"))
     base.chmod(0o711)

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from prometheus_client import REGISTRY
-from tests.conftest import make_settings
 from tests.support.commit_cutter import cutting
+from tests.support.db import q
 from tests.support.enrichers import BAD_FIELDS, BAD_KINDS
 from tests.support.procs import enrichq_env, spawn, wait_for
+from tests.support.settings import make_settings
 
 from enrichq_schema.db import create_engine
 from enrichq_service import queue, seed
@@ -28,11 +28,6 @@ from enrichq_service.queue import EnqueueRequest
 from enrichq_service.worker import RunResult, Worker
 
 pytestmark = pytest.mark.slow
-
-
-def q(engine: sa.Engine, sql: str, **params: Any) -> list[tuple[Any, ...]]:
-    with engine.connect() as conn:
-        return [tuple(r) for r in conn.execute(sa.text(sql), params)]
 
 
 def seeded(engine: sa.Engine, tickets: int, *, extra: tuple[str, ...] = ()) -> list[str]:

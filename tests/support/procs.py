@@ -49,9 +49,14 @@ def spawn(
 
 
 def wait_for(
-    condition: Callable[[], T], *, timeout: float = 30.0, interval: float = 0.05, what: str = ""
+    condition: Callable[[], T | None],
+    *,
+    timeout: float = 30.0,
+    interval: float = 0.05,
+    what: str = "",
 ) -> T:
-    """Poll `condition` until it returns something truthy; fail after `timeout` seconds."""
+    """Poll `condition` until it returns something truthy, and return that; fail after
+    `timeout` seconds naming `what`. The one way every test waits."""
     deadline = time.monotonic() + timeout
     while True:
         value = condition()

@@ -14,10 +14,11 @@ import pytest
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
+from enrichq_schema import metrics
+from enrichq_schema.settings import Settings
 from enrichq_schema.states import DeadReason, Kind, Outcome, State
-from enrichq_service import metrics, observe
+from enrichq_service import observe
 from enrichq_service.cli import cli
-from enrichq_service.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

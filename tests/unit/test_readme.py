@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from enrichq_service.settings import Settings
+from enrichq_schema.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 

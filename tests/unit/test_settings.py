@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 
-from enrichq_service.errors import SettingsError
-from enrichq_service.settings import Mode, Settings
+from enrichq_schema.errors import SettingsError
+from enrichq_schema.settings import Mode, Settings
 
 
 @pytest.fixture(autouse=True)

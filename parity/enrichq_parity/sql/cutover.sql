@@ -15,10 +15,6 @@ SELECT set_config('lock_timeout', :timeout, true)
 -- The time the gate measures against: :now when a test moves time, else the database clock.
 SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
 
--- name: cutover_relation_exists
--- Whether the relation named :name (schema.table, quoted) exists.
-SELECT to_regclass(:name) IS NOT NULL AS present
-
 -- name: cutover_schema_exists
 -- Whether the schema :name exists.
 SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = :name) AS present

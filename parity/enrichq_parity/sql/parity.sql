@@ -6,10 +6,6 @@
 -- The time parity measures against: :now when a test moves time, else the database clock.
 SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
 
--- name: parity_relation_exists
--- Whether the relation named :name (schema.table, quoted) exists.
-SELECT to_regclass(:name) IS NOT NULL AS present
-
 -- name: parity_legacy_indexed
 -- Whether the table :name can be probed by ticket: it is not a plain table (a view, whose
 -- base tables may be indexed), or it has a valid, non-partial index led by ticket_id.

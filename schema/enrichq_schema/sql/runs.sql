@@ -2,9 +2,11 @@
 
 
 -- name: runs_start
--- A new run of :component by :owner, started now; returns its id.
-INSERT INTO enrichq.runs (component, owner, started_at)
-VALUES (:component, :owner, coalesce(CAST(:now AS timestamptz), now()))
+-- A new run of :component by :owner, started now, with the :counts it starts with (JSON,
+-- e.g. which sweeper task); returns its id.
+INSERT INTO enrichq.runs (component, owner, started_at, counts)
+VALUES (:component, :owner, coalesce(CAST(:now AS timestamptz), now()),
+        CAST(:counts AS jsonb))
 RETURNING id;
 
 

@@ -43,7 +43,7 @@ inserted AS (
 ),
 -- wake LISTENing workers once per kind that has work visible now
 notified AS (
-    SELECT count(pg_notify('enrichq_queue', k.kind)) AS n
+    SELECT count(pg_notify(:channel, k.kind)) AS n
     FROM (
         SELECT DISTINCT kind FROM inserted
         WHERE visible_at <= coalesce(CAST(:now AS timestamptz), now())

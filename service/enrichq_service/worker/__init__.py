@@ -9,9 +9,7 @@ from enrichq_service.worker.runtime import (
     KINDS,
     RunResult,
     Worker,
-    new_owner,
     run_worker,
-    stop_on_signals,
     worker_process,
 )
 
@@ -22,8 +20,6 @@ __all__ = [
     "Worker",
     "WorkerEngines",
     "build_engines",
-    "new_owner",
     "run_worker",
-    "stop_on_signals",
     "worker_process",
 ]

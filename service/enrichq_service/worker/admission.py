@@ -30,10 +30,10 @@ from uuid import UUID
 
 import sqlalchemy as sa
 
-from enrichq_service import metrics
+from enrichq_schema import metrics
+from enrichq_schema.settings import Settings
 from enrichq_service.enrich import SQL
 from enrichq_service.errors import Deferral
-from enrichq_service.settings import Settings
 
 # The advisory-lock space of admissions ("enra": enrichq admission).
 ADMISSION_LOCK_SPACE = 0x656E7261

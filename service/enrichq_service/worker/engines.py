@@ -8,7 +8,7 @@ from typing import NamedTuple
 import sqlalchemy as sa
 
 from enrichq_schema.db import create_engine
-from enrichq_service.settings import Settings
+from enrichq_schema.settings import Settings
 
 
 class WorkerEngines(NamedTuple):

@@ -16,10 +16,10 @@ import time
 import sqlalchemy as sa
 import sqlalchemy.exc as sa_exc
 
-from enrichq_service import metrics
+from enrichq_schema import metrics
+from enrichq_schema.settings import Settings
 from enrichq_service import queue as q
 from enrichq_service.enrich import error_text
-from enrichq_service.settings import Settings
 from enrichq_service.worker.admission import Admission
 from enrichq_service.worker.db import is_unavailable
 from enrichq_service.worker.lifecycle import Jobs

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import psycopg
 
 from enrichq_schema.db import normalize_url
-from enrichq_service.queue import NOTIFY_CHANNEL
+from enrichq_schema.states import NOTIFY_CHANNEL
 from enrichq_service.worker.db import Backoff
 
 log = logging.getLogger(__name__)

@@ -27,8 +27,9 @@ from datetime import datetime, timedelta
 
 import sqlalchemy as sa
 
+from enrichq_schema import metrics
+from enrichq_schema.settings import Settings
 from enrichq_schema.states import Kind
-from enrichq_service import metrics
 from enrichq_service.enrich import (
     EnrichContext,
     EnricherChoice,
@@ -41,7 +42,6 @@ from enrichq_service.enrich import (
 from enrichq_service.errors import Deferral, PermanentError, TransientError
 from enrichq_service.isolate import enrich_in_child, is_suspect
 from enrichq_service.queue import SettleAction
-from enrichq_service.settings import Settings
 from enrichq_service.worker.admission import NOT_NEEDED, Admission, Admitted, Refused
 from enrichq_service.worker.lifecycle import Held, Jobs
 from enrichq_service.worker.settler import Settlement

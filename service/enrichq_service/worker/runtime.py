@@ -23,29 +23,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import signal
-import socket
-import sys
 import threading
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from types import FrameType
 
 import sqlalchemy as sa
 import sqlalchemy.exc as sa_exc
 
-from enrichq_schema import runlog
+from enrichq_schema import metrics, runlog
 from enrichq_schema.errors import constraint_name
+from enrichq_schema.process import lease_owner, say, stop_on_signals
+from enrichq_schema.settings import Settings
 from enrichq_schema.states import Component, Kind, Outcome, StopReason
 from enrichq_schema.tables import LEASED_KEY_INDEX
-from enrichq_service import metrics
 from enrichq_service import queue as q
 from enrichq_service.enrich import EnricherChoice, choose, error_text, read_tickets
-from enrichq_service.settings import Settings
 from enrichq_service.worker.admission import Admission
 from enrichq_service.worker.db import Backoff, ThreadConnection, is_unavailable
 from enrichq_service.worker.engines import WorkerEngines, build_engines
@@ -93,11 +87,6 @@ class Tally:
             return Counter(self._counts)
 
 
-def new_owner() -> str:
-    """A lease owner unique to this worker: host, pid and a random suffix."""
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-
-
 class Worker:
     """One worker process's runtime; `run()` blocks until it stops."""
 
@@ -114,7 +103,7 @@ class Worker:
     ) -> None:
         self.settings = settings
         self.engine = engine
-        self.owner = owner or new_owner()
+        self.owner = owner or lease_owner()
         self.kinds = tuple(kinds)
         self.stop = threading.Event()  # set by a signal or by the embedding process
         self._wake = threading.Event()
@@ -356,25 +345,6 @@ class Worker:
 
 
 @contextlib.contextmanager
-def stop_on_signals(stop: threading.Event) -> Iterator[None]:
-    """SIGTERM and SIGINT stop the worker gracefully (main thread only)."""
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        log.info("received %s: finishing in-flight work", signal.Signals(signum).name)
-        stop.set()
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-
-
-@contextlib.contextmanager
 def worker_process(settings: Settings, url: str) -> Iterator[tuple[Worker, WorkerEngines]]:
     """A worker wired as every process that runs one has it (`worker`, `serve`, `demo`):
     its engines, the build info and queue gauges of /metrics, the worker itself."""
@@ -398,10 +368,10 @@ def run_worker(
 
     with worker_process(settings, url) as (worker, _):
         start_metrics_server(settings.metrics_port)
-        with stop_on_signals(worker.stop):
+        with stop_on_signals(worker.stop, doing="finishing in-flight work"):
             result = worker.run(drain=drain, time_budget=time_budget)
     log.info("worker stopped: %s %s", result.stop_reason.value, dict(result.counts))
     if result.stop_reason is StopReason.ERROR:
-        print(f"enrichq: worker stopped on an error: {result.error}", file=sys.stderr)
+        say(f"worker stopped on an error: {result.error}")
         return 1
     return 0

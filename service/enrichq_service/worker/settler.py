@@ -32,11 +32,11 @@ from datetime import datetime
 import sqlalchemy as sa
 import sqlalchemy.exc as sa_exc
 
+from enrichq_schema import metrics
+from enrichq_schema.settings import Settings
 from enrichq_schema.states import Outcome
-from enrichq_service import metrics
 from enrichq_service import queue as q
 from enrichq_service.enrich import Lookup, Result, error_text, log_lookups, write_results
-from enrichq_service.settings import Settings
 from enrichq_service.worker.db import Backoff, ThreadConnection, is_unavailable
 from enrichq_service.worker.lifecycle import Held, Jobs
 

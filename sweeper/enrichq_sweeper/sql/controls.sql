@@ -226,7 +226,7 @@ redriven AS (
 ),
 -- wake LISTENing workers once per kind that got work back (delivered at commit)
 notified AS (
-    SELECT count(pg_notify('enrichq_queue', k.kind)) AS n
+    SELECT count(pg_notify(:channel, k.kind)) AS n
     FROM (SELECT DISTINCT r.kind FROM redriven AS r) AS k
 )
 SELECT count(*) FILTER (WHERE d.redrive) AS redriven,

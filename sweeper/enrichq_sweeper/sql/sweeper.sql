@@ -79,7 +79,7 @@ decided AS (
 ),
 -- wake LISTENing workers once per kind that gets work back (delivered at commit)
 notified AS (
-    SELECT count(pg_notify('enrichq_queue', k.kind)) AS n
+    SELECT count(pg_notify(:channel, k.kind)) AS n
     FROM (SELECT DISTINCT kind FROM decided WHERE NOT spent AND queued_id IS NULL) AS k
 ),
 updated AS (
@@ -112,8 +112,9 @@ ORDER BY d.id;
 
 
 -- name: queue_notify
--- Wakes LISTENing workers for :kind (delivered when the transaction commits).
-SELECT pg_notify('enrichq_queue', :kind);
+-- Wakes LISTENing workers for :kind on :channel (NOTIFY_CHANNEL; delivered when the
+-- transaction commits).
+SELECT pg_notify(:channel, :kind);
 
 
 -- name: retention_prune_finished
@@ -346,18 +347,3 @@ FROM enrichq.queue AS q
 WHERE q.state = 'dead_letter' AND q.dead_reason = :reason
 ORDER BY q.id DESC
 LIMIT :limit;
-
-
--- name: runs_start
--- Opens the run-log row of one sweeper pass; returns its id.
-INSERT INTO enrichq.runs (component, owner, counts)
-VALUES ('sweeper', :owner, CAST(:counts AS jsonb))
-RETURNING id;
-
-
--- name: runs_finish
--- Closes the run-log row :id with its stop reason, counts and error.
-UPDATE enrichq.runs
-SET finished_at = clock_timestamp(), stop_reason = :stop_reason,
-    counts = CAST(:counts AS jsonb), error = :error
-WHERE id = :id;

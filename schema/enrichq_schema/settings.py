@@ -18,7 +18,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from enrichq_service.errors import SettingsError
+from enrichq_schema.errors import SettingsError
+from enrichq_schema.text import validation_problem
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import URL
@@ -436,10 +437,10 @@ def _check_dialect(url: URL) -> None:
 
 def describe_validation_error(exc: ValidationError) -> str:
     """One line naming the first bad field as its environment variable."""
-    err = exc.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"])
-    message = str(err["msg"]).removeprefix("Value error, ")
-    extra = f" (+{len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
-    if not loc:
-        return f"invalid configuration: {message}{extra}"
-    return f"invalid setting ENRICHQ_{loc.upper()}: {message}{extra}"
+    problem = validation_problem(
+        exc.errors(include_input=False, include_url=False),
+        field=lambda loc: f"ENRICHQ_{'.'.join(str(p) for p in loc).upper()}" if loc else "",
+    )
+    if problem.startswith("ENRICHQ_"):
+        return f"invalid setting {problem}"
+    return f"invalid configuration: {problem}"

