@@ -577,7 +577,7 @@ def run_cli(
     1 refused, 2 bad input."""
     import json
 
-    from enrichq_schema.db import create_engine
+    from enrichq_service.connections import create_engine
 
     action = Action.ROLLBACK if rollback else Action.CUTOVER
     try:
@@ -587,6 +587,7 @@ def run_cli(
         print(f"enrichq: cutover: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     engine = create_engine(
+        settings,
         url,
         application_name="enrichq-cutover",
         pool_size=1,

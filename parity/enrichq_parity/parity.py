@@ -576,15 +576,17 @@ def export_latest(conn: sa.Connection) -> None:
 
 
 def _engines(settings: Settings, url: str) -> tuple[sa.Engine, sa.Engine]:
-    from enrichq_schema.db import create_engine
+    from enrichq_service.connections import create_engine
 
     read = create_engine(
+        settings,
         settings.parity_database_url or url,
         application_name="enrichq-parity",
         pool_size=settings.parity_concurrency,
         statement_timeout_seconds=settings.statement_timeout_seconds,
     )
     write = create_engine(
+        settings,
         url,
         application_name="enrichq-parity",
         pool_size=1,

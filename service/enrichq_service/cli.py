@@ -113,8 +113,8 @@ def enqueue(
     ctx: Context, keys: tuple[str, ...], reason: str, tenant: str | None, kind: str
 ) -> None:
     """Enqueue tickets KEYS for enrichment; a ticket already queued is merged."""
-    from enrichq_schema.db import create_engine
     from enrichq_service import queue
+    from enrichq_service.connections import create_engine
     from enrichq_service.queue import EnqueueRequest, QueueInputError
 
     settings = ctx.settings
@@ -125,7 +125,7 @@ def enqueue(
     except QueueInputError as exc:
         fail(str(exc))
     with ctx.database() as url:
-        engine = create_engine(url, pool_size=1)
+        engine = create_engine(settings, url, pool_size=1)
         with engine.begin() as conn:
             results = queue.enqueue(conn, requests, settings=settings)
         engine.dispose()
@@ -138,12 +138,12 @@ def enqueue(
 @pass_context
 def status(ctx: Context, as_json: bool) -> None:
     """Queue counts by state and kind, oldest visible age, live leases, dead letters."""
-    ctx.settings  # noqa: B018 -- a bad setting stops the command before any import or connection
-    from enrichq_schema.db import create_engine
+    settings = ctx.settings  # a bad setting stops the command before any import or connection
+    from enrichq_service.connections import create_engine
     from enrichq_service.status import collect, render
 
     with ctx.database() as url:
-        engine = create_engine(url, pool_size=1)
+        engine = create_engine(settings, url, pool_size=1)
         with engine.connect() as conn:
             report = collect(conn)
         engine.dispose()
