@@ -28,7 +28,7 @@ from enrichq_service.settings import Settings
 from enrichq_sweeper import passes
 from enrichq_sweeper.common import owner_id
 from enrichq_sweeper.errors import HookError
-from enrichq_sweeper.leader import LeaderLock
+from enrichq_sweeper.leader import Leadership, leadership
 from enrichq_sweeper.recovery import GaveUpHook, load_hook
 
 log = logging.getLogger(__name__)
@@ -172,18 +172,31 @@ def _quiet_apscheduler(settings: Settings) -> None:
         logging.getLogger("apscheduler").setLevel(logging.WARNING)
 
 
+def _check_seconds(settings: Settings) -> float:
+    """How often a follower asks for the leadership, and the leader checks it still leads."""
+    return min(LEADER_RETRY_SECONDS_MAX, settings.sweep_interval_seconds)
+
+
 def run_sweeper(settings: Settings, url: str, *, once: bool) -> int:
     """Run the sweeper until SIGTERM/SIGINT (or each task once with `once`); the exit code."""
-    from enrichq_schema.db import create_engine
+    from enrichq_service.connections import create_engine, preflight
 
     try:
         hook = load_hook(settings.gave_up_hook)
     except HookError as exc:
         _say(f"invalid setting ENRICHQ_GAVE_UP_HOOK: {exc}")
         return EXIT_USAGE
+    preflight(settings, url)  # a pool mode the URL contradicts: exit 2, before anything else
     owner = owner_id()
-    engine = create_engine(url, application_name="enrichq-sweeper", pool_size=SCHEDULER_THREADS)
-    sweeper = _Sweeper(engine, settings, url, hook, owner, LeaderLock(url, owner=owner))
+    engine = create_engine(
+        settings,
+        url,
+        application_name="enrichq-sweeper",
+        pool_size=SCHEDULER_THREADS,
+        statement_timeout_seconds=settings.statement_timeout_seconds,
+    )
+    lock = leadership(settings, url, owner=owner, check_seconds=_check_seconds(settings))
+    sweeper = _Sweeper(engine, settings, url, hook, owner, lock)
     try:
         problem = _check_schema(engine)
         if problem:
@@ -217,7 +230,7 @@ class _Sweeper:
     url: str
     hook: GaveUpHook
     owner: str
-    lock: LeaderLock
+    lock: Leadership
     stop: threading.Event = field(default_factory=threading.Event)
 
     def tasks(self, should_stop: Callable[[], bool]) -> _Tasks:
@@ -244,7 +257,7 @@ class _Sweeper:
 
     def lead_or_follow(self) -> int:
         """Follow until the lock is free, lead while it is held, until `stop` is set."""
-        retry_seconds = min(LEADER_RETRY_SECONDS_MAX, self.settings.sweep_interval_seconds)
+        retry_seconds = _check_seconds(self.settings)
         scheduler: Any = None
         leading = threading.Event()
 
