@@ -42,7 +42,7 @@ from enrichq_schema import runlog
 from enrichq_schema.errors import constraint_name
 from enrichq_schema.states import Component, Kind, Outcome, StopReason
 from enrichq_schema.tables import LEASED_KEY_INDEX
-from enrichq_service import metrics
+from enrichq_service import connections, metrics
 from enrichq_service import queue as q
 from enrichq_service.enrich import EnricherChoice, choose, error_text, read_tickets
 from enrichq_service.settings import Settings
@@ -93,6 +93,18 @@ class Tally:
             return Counter(self._counts)
 
 
+class _WakingEvent(threading.Event):
+    """An event whose setting also sets `wake`: a stop must not wait for the next poll."""
+
+    def __init__(self, wake: threading.Event) -> None:
+        super().__init__()
+        self._also = wake
+
+    def set(self) -> None:
+        super().set()
+        self._also.set()
+
+
 def new_owner() -> str:
     """A lease owner unique to this worker: host, pid and a random suffix."""
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
@@ -116,8 +128,9 @@ class Worker:
         self.engine = engine
         self.owner = owner or new_owner()
         self.kinds = tuple(kinds)
-        self.stop = threading.Event()  # set by a signal or by the embedding process
         self._wake = threading.Event()
+        # set by a signal or by the embedding process; setting it wakes the claim loop
+        self.stop: threading.Event = _WakingEvent(self._wake)
         self._tally = Tally()
         self._fatal: str | None = None
         self._budget_refused = threading.Event()
@@ -164,15 +177,19 @@ class Worker:
         threads = [
             self._supervised("settler", lambda: self.settler.run(settler_stop, settler_give_up)),
             self._supervised("heartbeat", lambda: self.heartbeat.run(parts_stop)),
-            self._supervised(
-                "listener",
-                lambda: listen(
-                    self.engine.url.render_as_string(hide_password=False),
-                    self._wake.set,
-                    parts_stop,
-                ),
-            ),
+            self._supervised("lease-watch", lambda: self.heartbeat.watch(parts_stop)),
         ]
+        url = self.engine.url.render_as_string(hide_password=False)
+        listen_at = connections.listen_url(self.settings, url)
+        if listen_at is not None:
+            params = connections.listen_connect_params(self.settings, listen_at)
+            threads.append(
+                self._supervised("listener", lambda: listen(params, self._wake.set, parts_stop))
+            )
+        else:
+            log.info(
+                "no LISTEN in transaction pool mode: polling every %gs", self.settings.poll_seconds
+            )
         result = RunResult()
         try:
             result.stop_reason, result.error = self._claim_loop(drain, time_budget, started)
@@ -260,7 +277,11 @@ class Worker:
         if not jobs:
             return False
         deadline = received + self.settings.attempt_deadline_seconds
-        batch = [Held(j, tickets.get(j.key), deadline, claimed_at=received) for j in jobs]
+        # the lease was set by the claim, which started no earlier than `now`
+        batch = [
+            Held(j, tickets.get(j.key), deadline, claimed_at=received, lease_confirmed_at=now)
+            for j in jobs
+        ]
         self.jobs.add(batch)
         self._free_since = None
         metrics.jobs_in_flight.set(len(self.jobs))
@@ -393,9 +414,14 @@ def worker_process(settings: Settings, url: str) -> Iterator[tuple[Worker, Worke
 def run_worker(
     settings: Settings, url: str, *, drain: bool = False, time_budget: float | None = None
 ) -> int:
-    """`enrichq worker`: run until stopped; exit 0 on a healthy stop, 1 on an error."""
+    """`enrichq worker`: run until stopped; exit 0 on a healthy stop, 1 on an error.
+
+    Before anything starts, the preflight (`connections.preflight`): a database that
+    cannot be reached stops the worker with its error (exit 1), a pool mode that the URL
+    contradicts with a SettingsError (exit 2); a worker never loops on either."""
     from enrichq_service.observe import start_metrics_server
 
+    connections.preflight(settings, url)
     with worker_process(settings, url) as (worker, _):
         start_metrics_server(settings.metrics_port)
         with stop_on_signals(worker.stop):
