@@ -20,7 +20,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from tests.chaos.scenarios import SCENARIOS, Outcome
+from tests.chaos.scenarios import MISSING, SCENARIOS, Outcome
 from tests.support.pg import Databases
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     outcomes: list[Outcome] = []
     try:
         for name in args.only:
+            why = MISSING.get(name, lambda: None)()
+            if why:
+                print(f"== {name}: skipped, {why}", flush=True)
+                continue
             url = dbs.clone(name)
             logs = Path(tempfile.mkdtemp(prefix=f"enrichq-chaos-{name}-"))
             print(f"== {name} ({args.tickets} tickets) logs: {logs}", flush=True)

@@ -29,7 +29,9 @@ from enrichq_schema.db import create_engine
 from enrichq_service import queue, seed
 from enrichq_service.queue import EnqueueRequest
 from tests.conftest import make_settings
+from tests.support import pgbouncer
 from tests.support.enrichers import BAD_FIELDS, bad_data_fate
+from tests.support.pgbouncer import PgBouncer
 from tests.support.procs import enrichq_env, spawn, stop, wait_for
 
 AUDIT = """
@@ -261,12 +263,43 @@ def check(engine: sa.Engine, outcome: Outcome, *, poison: tuple[str, ...] = ()) 
 
 def kill_9(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outcome:
     """Workers killed with SIGKILL at random moments, repeatedly, and restarted."""
+    return _kill_workers(db_url, db_url, logs, tickets, rng, name="kill -9 workers, restart")
+
+
+def kill_9_pgbouncer(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outcome:
+    """kill -9 of workers as above, with every enrichq process behind a real PgBouncer 1.18
+    in transaction pooling (ENRICHQ_POOL_MODE=transaction: no LISTEN, the sweeper leading
+    by a lease row), its pool smaller than the fleet's connections."""
+    with PgBouncer(db_url, pool_mode="transaction", pool_size=6) as bouncer:
+        out = _kill_workers(
+            db_url,
+            bouncer.url_of(db_url),
+            logs,
+            tickets,
+            rng,
+            name="kill -9 workers behind PgBouncer (transaction pooling)",
+            pool_mode="transaction",
+        )
+    out.notes = "pool of 6 server connections for 3 workers and a sweeper; polling, no LISTEN"
+    return out
+
+
+def _kill_workers(
+    db_url: str,
+    fleet_url: str,
+    logs: Path,
+    tickets: int,
+    rng: random.Random,
+    *,
+    name: str,
+    **settings: Any,
+) -> Outcome:
     engine = create_engine(db_url)
-    out = Outcome("kill -9 workers, restart", tickets)
+    out = Outcome(name, tickets)
     try:
         prepare(engine, tickets)
         start = time.monotonic()
-        with fleet(db_url, logs) as f:
+        with fleet(fleet_url, logs, **settings) as f:
             f.start_sweeper()
             # a kill every 0.3-1.2 s, one per 30 tickets (at least 8), while work remains
             kills = max(8, tickets // 30)
@@ -587,6 +620,7 @@ def bad_data(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outco
 
 SCENARIOS: dict[str, Callable[[str, Path, int, random.Random], Outcome]] = {
     "kill_9": kill_9,
+    "kill_9_pgbouncer": kill_9_pgbouncer,
     "freeze": freeze,
     "db_restart": db_restart,
     "terminate_storm": terminate_storm,
@@ -594,4 +628,10 @@ SCENARIOS: dict[str, Callable[[str, Path, int, random.Random], Outcome]] = {
     "sweeper_killed": sweeper_killed,
     "poison": poison,
     "bad_data": bad_data,
+}
+
+# What a scenario needs beyond the test server: a function saying why it cannot run here
+# (a Debian package that is not installed), or None.
+MISSING: dict[str, Callable[[], str | None]] = {
+    "kill_9_pgbouncer": pgbouncer.missing,
 }
