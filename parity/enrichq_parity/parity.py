@@ -212,7 +212,15 @@ def _prepare(
     with read_engine.connect() as conn:
         relations = _check_relations(conn, settings)
         at: datetime = conn.execute(_queries()("parity_now"), {"now": now}).scalar_one()
+        side = conn.execute(_queries()("parity_read_side")).one()
         conn.rollback()
+    if side.standby:
+        log.info(
+            "parity reads a standby %.1f s behind: tickets are judged as of its last "
+            "replayed commit, %s",
+            side.lag_seconds,
+            f"{at:%F %T%z}",
+        )
     with write_engine.connect() as conn:
         if not _exists(conn, "enrichq.parity_runs"):
             raise ParityInputError(
