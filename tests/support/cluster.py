@@ -20,6 +20,7 @@ import pytest
 import sqlalchemy as sa
 
 from enrichq_schema.db import create_engine
+from tests.support.tcpproxy import TcpProxy
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 NOT_INSTALLED = (
@@ -135,15 +136,16 @@ class Node:
         self._configure()
         return self
 
-    def basebackup_of(self, primary: Node) -> Node:
-        """Make this node a streaming standby of `primary` (standby.signal, primary_conninfo)."""
+    def basebackup_of(self, primary: Node, *, port: int | None = None) -> Node:
+        """Make this node a streaming standby of `primary` (standby.signal, primary_conninfo),
+        connecting to it on `port` (a proxy in front of it) if given."""
         _run(
             [
                 str(PG_BIN / "pg_basebackup"),
                 "-h",
                 "127.0.0.1",
                 "-p",
-                str(primary.port),
+                str(port or primary.port),
                 "-U",
                 "postgres",
                 "-D",
@@ -194,18 +196,33 @@ class Node:
 
 
 class Cluster:
-    """A primary and its streaming standby."""
+    """A primary and its streaming standby; with `proxied_replication`, the standby streams
+    through a TcpProxy (`replication`) that a test can blackhole, so commits on the primary
+    stop reaching the standby."""
 
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, *, proxied_replication: bool = False) -> None:
         self.base = base
         self.primary = Node(base, "primary")
         self.standby = Node(base, "standby")
+        self.replication: TcpProxy | None = None
+        self._proxied = proxied_replication
         self._engines: dict[str, sa.Engine] = {}
 
     def start(self) -> Cluster:
         self.primary.initdb().start()
-        self.standby.basebackup_of(self.primary).start()
+        port = None
+        if self._proxied:
+            self.replication = TcpProxy(("127.0.0.1", self.primary.port)).start()
+            port = self.replication.port
+        self.standby.basebackup_of(self.primary, port=port).start()
         return self
+
+    def multi_host_url(self, database: str) -> str:
+        """Both servers, the writable one chosen at each connection (libpq's failover)."""
+        return (
+            f"postgresql+psycopg://postgres@/{database}?host=127.0.0.1:{self.primary.port}"
+            f"&host=127.0.0.1:{self.standby.port}&target_session_attrs=read-write"
+        )
 
     def engine(self, url: str) -> sa.Engine:
         if url not in self._engines:
@@ -238,17 +255,19 @@ class Cluster:
         for engine in self._engines.values():
             engine.dispose()
         self._engines.clear()
+        if self.replication is not None:
+            self.replication.close()
         for node in (self.standby, self.primary):
             with suppress(RuntimeError, subprocess.TimeoutExpired):
                 node.stop("immediate")
 
 
 @contextmanager
-def cluster() -> Iterator[Cluster]:
+def cluster(*, proxied_replication: bool = False) -> Iterator[Cluster]:
     """A primary and a standby for the block, in a directory of their own under /tmp."""
     base = Path(tempfile.mkdtemp(prefix="enrichq-cluster-", dir="/tmp"))
     base.chmod(0o755)
-    made = Cluster(base)
+    made = Cluster(base, proxied_replication=proxied_replication)
     try:
         yield made.start()
     finally:
