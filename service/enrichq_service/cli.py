@@ -83,16 +83,76 @@ def cli(ctx: click.Context, config_file: Path | None) -> None:
 
 
 @cli.command()
+@click.option(
+    "--check",
+    is_flag=True,
+    help="Change nothing: exit 0 when the schema is at head, 1 while it is behind.",
+)
+@click.option(
+    "--wait",
+    type=click.FloatRange(min=0),
+    default=None,
+    metavar="SECONDS",
+    help="With --check: keep checking (every 2 s) until head, for up to SECONDS.",
+)
 @pass_context
-def migrate(ctx: Context) -> None:
-    """Create or upgrade enrichq's tables (a no-op when already at the newest revision)."""
+def migrate(ctx: Context, check: bool, wait: float | None) -> None:
+    """Create or upgrade enrichq's tables (a no-op when already at the newest revision).
+
+    With --check, only say whether the schema is at head: the gate of a worker's or a
+    sweeper's init container, so they start after the migration of their release.
+    """
+    if wait is not None and not check:
+        fail("migrate: --wait goes with --check")
     ctx.settings  # noqa: B018 -- a bad setting stops the command before any connection
     from enrichq_schema.db import migrate as run_migrations
     from enrichq_schema.db import redact
 
     with ctx.database() as url:
+        if check:
+            sys.exit(_check_schema(ctx.settings, url, wait))
         run_migrations(url)
         click.echo(f"migrated {redact(url)} to head")
+
+
+SCHEMA_CHECK_SECONDS = 2.0
+
+
+def _check_schema(settings: Settings, url: str, wait: float | None) -> int:
+    """`migrate --check [--wait S]`: 0 at head, 1 while behind (or unreachable at the end)."""
+    import time
+
+    import sqlalchemy.exc as sa_exc
+
+    from enrichq_schema.db import current_revision, head_revision
+    from enrichq_schema.errors import describe_database_error
+    from enrichq_service.connections import create_engine
+
+    deadline = time.monotonic() + (wait or 0.0)
+    head = head_revision()
+    engine = create_engine(settings, url, application_name="enrichq-migrate-check", pool_size=1)
+    try:
+        while True:
+            try:
+                with engine.connect() as conn:
+                    current = current_revision(conn)
+                problem = (
+                    None
+                    if current == head
+                    else f"the schema is at revision {current or 'none'}, not {head} "
+                    "(run `enrichq migrate`)"
+                )
+            except sa_exc.DBAPIError as exc:
+                problem = describe_database_error(exc) or str(exc).splitlines()[0]
+            if problem is None:
+                click.echo(f"the schema is at head ({head})")
+                return EXIT_OK
+            if time.monotonic() + SCHEMA_CHECK_SECONDS > deadline:
+                click.echo(f"enrichq: migrate --check: {problem}", err=True)
+                return EXIT_FAILED
+            time.sleep(SCHEMA_CHECK_SECONDS)
+    finally:
+        engine.dispose()
 
 
 @cli.command()
