@@ -54,6 +54,15 @@ class NoReply(psycopg.OperationalError):
     """The server did not answer in time; the connection was closed."""
 
 
+class _NeverRaised(Exception):
+    """Stands in for psycopg's wait timeout where a psycopg version has none."""
+
+
+# What psycopg raises when Connection.wait(timeout=...) runs out (psycopg 3.3's name;
+# tests/db/test_network_timeouts.py fails if an upgrade renames it).
+WAIT_TIMEOUT: type[Exception] = getattr(psycopg.errors, "_WaitTimeout", _NeverRaised)
+
+
 def _sql() -> Any:
     return load("enrichq_schema", "sql/session.sql")
 
@@ -96,7 +105,7 @@ class BoundedConnection(psycopg.Connection[Any]):
             return super().wait(gen, interval, timeout)
         try:
             return super().wait(gen, interval, bound)
-        except psycopg.errors._WaitTimeout:
+        except WAIT_TIMEOUT:
             # Mid-exchange: the protocol state is unknown, so the connection is unusable.
             self.close()
             raise NoReply(
