@@ -74,13 +74,22 @@ def main(argv: list[str] | None = None) -> int:
     url = os.environ.get(
         "ENRICHQ_TEST_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
     )
-    print("| network timeout | statement timeout | a statement hangs | a new connection hangs |")
-    print("|---:|---:|---:|---:|")
-    for network, statement in CASES:
-        on_open = measure(url, network, statement, args.cap, connect=False)
-        on_new = measure(url, network, statement, args.cap, connect=True)
-        print(f"| {network:g} s | {statement:g} s | {on_open} | {on_new} |", flush=True)
+    for line in table(url, args.cap):
+        print(line, flush=True)
     return 0
+
+
+def table(url: str, cap: float) -> list[str]:
+    """The Markdown table of every case."""
+    lines = [
+        "| network timeout | statement timeout | a statement hangs | a new connection hangs |",
+        "|---:|---:|---:|---:|",
+    ]
+    for network, statement in CASES:
+        on_open = measure(url, network, statement, cap, connect=False)
+        on_new = measure(url, network, statement, cap, connect=True)
+        lines.append(f"| {network:g} s | {statement:g} s | {on_open} | {on_new} |")
+    return lines
 
 
 if __name__ == "__main__":
