@@ -11,6 +11,7 @@ import sqlalchemy as sa
 from enrichq_schema.db import create_engine
 from enrichq_schema.settings import Settings
 from tests.support.pg import Databases, server_url
+from tests.support.pgbouncer import PgBouncer, require
 from tests.support.settings import make_settings
 
 FOLDER_MARKERS = {"unit", "db", "concurrent", "e2e", "migrations", "chaos"}
@@ -34,6 +35,15 @@ def databases(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Databases]:
             yield dbs
         finally:
             dbs.drop_all()
+
+
+@pytest.fixture(scope="session")
+def pgbouncer(databases: Databases) -> Iterator[PgBouncer]:
+    """A real PgBouncer in transaction pooling in front of the test server, for the run;
+    `pgbouncer.url_of(db_url)` is a test database through it."""
+    require()
+    with PgBouncer(databases.admin_url, pool_mode="transaction") as bouncer:
+        yield bouncer
 
 
 @pytest.fixture(scope="session")

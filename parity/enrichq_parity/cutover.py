@@ -569,7 +569,7 @@ def run_cli(
     1 refused, 2 bad input."""
     import json
 
-    from enrichq_schema.db import create_engine
+    from enrichq_schema.connections import create_engine
 
     action = Action.ROLLBACK if rollback else Action.CUTOVER
     try:
@@ -579,6 +579,7 @@ def run_cli(
         say(f"cutover: {exc}")
         return Exit.USAGE
     engine = create_engine(
+        settings,
         url,
         application_name="enrichq-cutover",
         pool_size=1,

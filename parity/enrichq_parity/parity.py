@@ -202,7 +202,15 @@ def _prepare(
     with read_engine.connect() as conn:
         relations = _check_relations(conn, settings)
         at: datetime = conn.execute(_queries()("parity_now"), {"now": now}).scalar_one()
+        side = conn.execute(_queries()("parity_read_side")).one()
         conn.rollback()
+    if side.standby:
+        log.info(
+            "parity reads a standby %.1f s behind: tickets are judged as of its last "
+            "replayed commit, %s",
+            side.lag_seconds,
+            f"{at:%F %T%z}",
+        )
     with write_engine.connect() as conn:
         if not relation_exists(conn, "enrichq.parity_runs"):
             raise ParityInputError(
@@ -562,15 +570,17 @@ def export_latest(conn: sa.Connection) -> None:
 def engines(settings: Settings, url: str) -> tuple[sa.Engine, sa.Engine]:
     """(read, write): the engine parity reads through (ENRICHQ_PARITY_DATABASE_URL, a
     replica, or the database) and the one it records its run on (the database)."""
-    from enrichq_schema.db import create_engine
+    from enrichq_schema.connections import create_engine
 
     read = create_engine(
+        settings,
         settings.parity_database_url or url,
         application_name="enrichq-parity",
         pool_size=settings.parity_concurrency,
         statement_timeout_seconds=settings.statement_timeout_seconds,
     )
     write = create_engine(
+        settings,
         url,
         application_name="enrichq-parity",
         pool_size=1,

@@ -252,9 +252,10 @@ def _printable(text: str) -> bool:
 
 
 def _engine(settings: Settings, url: str) -> sa.Engine:
-    from enrichq_schema.db import create_engine
+    from enrichq_schema.connections import create_engine
 
     return create_engine(
+        settings,
         url,
         application_name="enrichq-parity",
         pool_size=1,

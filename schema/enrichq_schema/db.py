@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, ExecutionContext, make_url
 
+from enrichq_schema.pooling import PoolMode, install, network_params
 from enrichq_schema.queries import PREPARED_OPTION
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,8 @@ def create_engine(
     pre_ping: bool = True,
     generic_plans: bool = False,
     asynchronous_commit: bool = False,
+    pool_mode: PoolMode = PoolMode.SESSION,
+    network_timeout_seconds: float | None = None,
 ) -> sa.Engine:
     """An engine whose pool checks connections before use, so a restarted server is survived.
 
@@ -61,30 +64,45 @@ def create_engine(
     `asynchronous_commit=True` returns from COMMIT before its WAL reaches the disk
     (`synchronous_commit=off`): a server crash may then undo the last fraction of a second
     of this engine's commits. Only for work whose loss is harmless.
+
+    `pool_mode` says how the settings reach the server (`enrichq_schema.pooling`): once per
+    connection, or in every transaction behind a transaction pooler, where nothing is
+    prepared server-side either (`generic_plans` then has nothing to act on).
+    `network_timeout_seconds` turns on TCP keepalives, `tcp_user_timeout` and
+    `connect_timeout` (options the URL sets itself win) and bounds every wait for a reply
+    by the statement timeout plus this: a statement may run that long, its reply may take
+    this long on top. Without a statement timeout only the TCP-level options apply.
     """
     parsed = normalize_url(url)
-    options: list[str] = []
+    postgres = parsed.get_backend_name() == "postgresql"
+    transaction = pool_mode is PoolMode.TRANSACTION
+    settings: dict[str, str] = {}
     if statement_timeout_seconds is not None:
-        options.append(f"-c statement_timeout={int(statement_timeout_seconds * 1000)}")
+        settings["statement_timeout"] = str(int(statement_timeout_seconds * 1000))
     if idle_in_transaction_timeout_seconds is not None:
         ms = int(idle_in_transaction_timeout_seconds * 1000)
-        options.append(f"-c idle_in_transaction_session_timeout={ms}")
-    if generic_plans:
-        options.append("-c plan_cache_mode=force_generic_plan")
+        settings["idle_in_transaction_session_timeout"] = str(ms)
+    if generic_plans and not transaction:
+        settings["plan_cache_mode"] = "force_generic_plan"
     if asynchronous_commit:
-        options.append("-c synchronous_commit=off")
+        settings["synchronous_commit"] = "off"
     # Server-side prepared statements only where a statement's header asks for them (the
     # claim loop's hot statements): psycopg would otherwise prepare any statement run five
     # times, and Postgres would then switch it to a generic plan, which for some batch
     # statements (array parameters, the optional :now) was 5-20x slower than a plan made
     # with the real values. A threshold nobody reaches keeps `prepare=True` working, which
-    # None would not.
+    # None would not; behind a transaction pooler None is what we want: nothing prepared.
     connect_args: dict[str, object] = {
         "application_name": application_name,
-        "prepare_threshold": NEVER_AUTO_PREPARE,
+        "prepare_threshold": None if transaction else NEVER_AUTO_PREPARE,
     }
-    if options:
-        connect_args["options"] = " ".join(options)
+    reply_timeout: float | None = None
+    if network_timeout_seconds and postgres:
+        for name, value in network_params(network_timeout_seconds).items():
+            if name not in parsed.query:
+                connect_args[name] = value
+        if statement_timeout_seconds is not None:
+            reply_timeout = statement_timeout_seconds + network_timeout_seconds
     kwargs: dict[str, Any] = {}
     if isolation_level is not None:
         kwargs["isolation_level"] = isolation_level
@@ -97,7 +115,10 @@ def create_engine(
         connect_args=connect_args,
         **kwargs,
     )
-    sa.event.listen(engine, "do_execute", _execute_prepared, retval=True)
+    if postgres:
+        install(engine, pool_mode, settings, reply_timeout_seconds=reply_timeout)
+    if not transaction:
+        sa.event.listen(engine, "do_execute", _execute_prepared, retval=True)
     return engine
 
 

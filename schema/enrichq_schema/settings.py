@@ -19,6 +19,7 @@ from pydantic_settings import (
 )
 
 from enrichq_schema.errors import SettingsError
+from enrichq_schema.states import PoolMode
 from enrichq_schema.text import validation_problem
 
 if TYPE_CHECKING:
@@ -50,6 +51,8 @@ EVENT_DEDUPE_HOURS_MAX = 24 * 90
 BUILTIN_BATCH_ENRICHER = "enrichq_service.enrich:warehouse_lookup_batch"
 LOOKUP_BATCH_SIZE_DEFAULT = 50
 BUILTIN_GAVE_UP_HOOK = "enrichq_sweeper.recovery:log_gave_up"
+NETWORK_TIMEOUT_SECONDS_DEFAULT = 10
+NETWORK_TIMEOUT_SECONDS_MAX = 600
 
 
 class Mode(StrEnum):
@@ -81,6 +84,23 @@ class Settings(BaseSettings):
     )
     parity_database_url: str | None = Field(
         default=None, description="Where parity reads (a read replica); unset = the database."
+    )
+    listen_database_url: str | None = Field(
+        default=None,
+        description="A direct (unpooled) URL of the queue database for LISTEN; unset = the "
+        "database in session pool mode, no LISTEN (polling alone) in transaction pool mode.",
+    )
+    pool_mode: PoolMode = Field(
+        default=PoolMode.SESSION,
+        description="session, or transaction behind a transaction pooler (PgBouncer): "
+        "settings per transaction, nothing prepared, sweeper leadership by a lease row.",
+    )
+    network_timeout_seconds: float = Field(
+        default=NETWORK_TIMEOUT_SECONDS_DEFAULT,
+        ge=0,
+        le=NETWORK_TIMEOUT_SECONDS_MAX,
+        description="How long a dead network or a silent server may go unnoticed "
+        "(keepalives, tcp_user_timeout, connect_timeout, reply waits); 0 = libpq's defaults.",
     )
     mode: Mode = Field(default=Mode.SHADOW, description="shadow (default) or live.")
     lease_seconds: float = Field(default=LEASE_SECONDS_DEFAULT, gt=0, description="Lease length.")
@@ -240,7 +260,7 @@ class Settings(BaseSettings):
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=cls._toml_file))
         return tuple(sources)
 
-    @field_validator("database_url", "parity_database_url")
+    @field_validator("database_url", "parity_database_url", "listen_database_url")
     @classmethod
     def _postgres_url(cls, value: str | None) -> str | None:
         # enrichq's own tables, and what parity reads, live in PostgreSQL (psycopg 3)

@@ -106,3 +106,11 @@ LEASE_EXPIRED_ERROR = "lease expired"
 KEY_MAX_LENGTH = 200
 # A help-desk event id (the webhook's `id`, kept for redelivery dedupe) is bounded alike.
 EVENT_ID_MAX_LENGTH = 200
+
+
+class PoolMode(StrEnum):
+    """What a client connection keeps between transactions (ENRICHQ_POOL_MODE); how each
+    is served is in `enrichq_schema.pooling`."""
+
+    SESSION = "session"  # one server session per connection: direct, or session pooling
+    TRANSACTION = "transaction"  # a server session per transaction: PgBouncer transaction mode

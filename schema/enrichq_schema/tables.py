@@ -261,6 +261,21 @@ lookups_in_flight = sa.Table(
     sa.CheckConstraint("reserved_bytes >= 0", name="reserved_bytes_non_negative"),
 )
 
+# Leadership among replicas by a lease row, where no session can hold an advisory lock
+# (ENRICHQ_POOL_MODE=transaction: behind a transaction pooler a session is not ours between
+# transactions). One row per led task; its owner leads until expires_at (the database
+# clock) and renews well before then; anyone may take a row whose lease has run out.
+leader_leases = sa.Table(
+    "leader_leases",
+    metadata,
+    sa.Column("name", sa.Text, primary_key=True),
+    sa.Column("owner", sa.Text, nullable=False),
+    sa.Column("acquired_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("renewed_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
+    sa.CheckConstraint("expires_at > renewed_at", name="expires_after_renewal"),
+)
+
 budget_ledger = sa.Table(
     "budget_ledger",
     metadata,

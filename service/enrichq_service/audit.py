@@ -20,9 +20,10 @@ def list_cli(
     settings: Settings, url: str, *, limit: int, command: str | None, as_json: bool
 ) -> None:
     """Print the newest `limit` actions: a table, or one JSON object per line."""
-    from enrichq_schema.db import create_engine
+    from enrichq_schema.connections import create_engine
 
     engine = create_engine(
+        settings,
         url,
         application_name="enrichq-audit",
         pool_size=1,

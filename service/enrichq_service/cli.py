@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from enrichq_schema.errors import SettingsError
-from enrichq_schema.process import Exit, fail
+from enrichq_schema.process import Exit, fail, say
 from enrichq_schema.states import AuditCommand, DeadReason, Kind, Reason
 
 if TYPE_CHECKING:
@@ -75,16 +75,76 @@ def cli(ctx: click.Context, config_file: Path | None) -> None:
 
 
 @cli.command()
+@click.option(
+    "--check",
+    is_flag=True,
+    help="Change nothing: exit 0 when the schema is at head, 1 while it is behind.",
+)
+@click.option(
+    "--wait",
+    type=click.FloatRange(min=0),
+    default=None,
+    metavar="SECONDS",
+    help="With --check: keep checking (every 2 s) until head, for up to SECONDS.",
+)
 @pass_context
-def migrate(ctx: Context) -> None:
-    """Create or upgrade enrichq's tables (a no-op when already at the newest revision)."""
+def migrate(ctx: Context, check: bool, wait: float | None) -> None:
+    """Create or upgrade enrichq's tables (a no-op when already at the newest revision).
+
+    With --check, only say whether the schema is at head: the gate of a worker's or a
+    sweeper's init container, so they start after the migration of their release.
+    """
+    if wait is not None and not check:
+        fail("migrate: --wait goes with --check")
     ctx.settings  # noqa: B018 -- a bad setting stops the command before any connection
     from enrichq_schema.db import migrate as run_migrations
     from enrichq_schema.db import redact
 
     with ctx.database() as url:
+        if check:
+            sys.exit(_check_schema(ctx.settings, url, wait))
         run_migrations(url)
         click.echo(f"migrated {redact(url)} to head")
+
+
+SCHEMA_CHECK_SECONDS = 2.0
+
+
+def _check_schema(settings: Settings, url: str, wait: float | None) -> int:
+    """`migrate --check [--wait S]`: 0 at head, 1 while behind (or unreachable at the end)."""
+    import time
+
+    import sqlalchemy.exc as sa_exc
+
+    from enrichq_schema.connections import create_engine
+    from enrichq_schema.db import current_revision, head_revision
+    from enrichq_schema.errors import describe_database_error
+
+    deadline = time.monotonic() + (wait or 0.0)
+    head = head_revision()
+    engine = create_engine(settings, url, application_name="enrichq-migrate-check", pool_size=1)
+    try:
+        while True:
+            try:
+                with engine.connect() as conn:
+                    current = current_revision(conn)
+                problem = (
+                    None
+                    if current == head
+                    else f"the schema is at revision {current or 'none'}, not {head} "
+                    "(run `enrichq migrate`)"
+                )
+            except sa_exc.DBAPIError as exc:
+                problem = describe_database_error(exc) or str(exc).splitlines()[0]
+            if problem is None:
+                click.echo(f"the schema is at head ({head})")
+                return Exit.OK
+            if time.monotonic() + SCHEMA_CHECK_SECONDS > deadline:
+                say(f"migrate --check: {problem}")
+                return Exit.FAILED
+            time.sleep(SCHEMA_CHECK_SECONDS)
+    finally:
+        engine.dispose()
 
 
 @cli.command()
@@ -105,7 +165,7 @@ def enqueue(
     ctx: Context, keys: tuple[str, ...], reason: str, tenant: str | None, kind: str
 ) -> None:
     """Enqueue tickets KEYS for enrichment; a ticket already queued is merged."""
-    from enrichq_schema.db import create_engine
+    from enrichq_schema.connections import create_engine
     from enrichq_service import queue
     from enrichq_service.queue import EnqueueRequest, QueueInputError
 
@@ -117,7 +177,7 @@ def enqueue(
     except QueueInputError as exc:
         fail(str(exc))
     with ctx.database() as url:
-        engine = create_engine(url, pool_size=1)
+        engine = create_engine(settings, url, pool_size=1)
         with engine.begin() as conn:
             results = queue.enqueue(conn, requests, settings=settings)
         engine.dispose()
@@ -130,12 +190,12 @@ def enqueue(
 @pass_context
 def status(ctx: Context, as_json: bool) -> None:
     """Queue counts by state and kind, oldest visible age, live leases, dead letters."""
-    ctx.settings  # noqa: B018 -- a bad setting stops the command before any import or connection
-    from enrichq_schema.db import create_engine
+    settings = ctx.settings  # a bad setting stops the command before any import or connection
+    from enrichq_schema.connections import create_engine
     from enrichq_service.status import collect, render
 
     with ctx.database() as url:
-        engine = create_engine(url, pool_size=1)
+        engine = create_engine(settings, url, pool_size=1)
         with engine.connect() as conn:
             report = collect(conn)
         engine.dispose()
@@ -382,9 +442,9 @@ def pause(
         reason = check_reason(reason)
     except PauseError as exc:
         fail(f"pause: {exc}; nothing changed")
-    ctx.settings  # noqa: B018 -- logging and settings errors before any connection
+    settings = ctx.settings
     with ctx.database() as url:
-        sys.exit(pause_cli(url, scope, actor=who, reason=reason, as_json=as_json))
+        sys.exit(pause_cli(settings, url, scope, actor=who, reason=reason, as_json=as_json))
 
 
 @cli.command(epilog=PAUSE_HELP)
@@ -410,9 +470,9 @@ def resume(
         fail("resume: --all stands alone (no --kind or --tenant); nothing changed")
     scope = None if all_pauses else _pause_scope("resume", kind, tenant)
     who = _actor("resume", actor)
-    ctx.settings  # noqa: B018 -- logging and settings errors before any connection
+    settings = ctx.settings
     with ctx.database() as url:
-        sys.exit(resume_cli(url, scope, actor=who, as_json=as_json))
+        sys.exit(resume_cli(settings, url, scope, actor=who, as_json=as_json))
 
 
 @cli.command()
@@ -635,21 +695,21 @@ def _run(entry: click.Command, args: list[str] | None) -> int:
             group = exc.ctx.command
             names = ", ".join(group.list_commands(exc.ctx))  # type: ignore[attr-defined]  # a click Group here; ctx.command is typed Command
             where = exc.ctx.command_path.removeprefix("enrichq ")
-            click.echo(f"enrichq: {where}: missing command ({names})", err=True)
+            say(f"{where}: missing command ({names})")
         return Exit.USAGE
     except click.UsageError as exc:
         where = f"{exc.ctx.command_path.removeprefix('enrichq').strip()}: " if exc.ctx else ""
         where = "" if where == ": " else where
-        click.echo(f"enrichq: {where}{exc.format_message()}", err=True)
+        say(f"{where}{exc.format_message()}")
         return Exit.USAGE
     except click.ClickException as exc:
-        click.echo(f"enrichq: {exc.format_message()}", err=True)
+        say(f"{exc.format_message()}")
         return exc.exit_code
     except click.exceptions.Abort:
         click.echo("enrichq: aborted", err=True)
         return Exit.FAILED
     except SettingsError as exc:
-        click.echo(f"enrichq: {exc}", err=True)
+        say(f"{exc}")
         return Exit.USAGE
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else Exit.FAILED
@@ -668,7 +728,7 @@ def main(args: list[str] | None = None) -> int:
         message = describe_database_error(exc)
         if message is None:
             raise
-        click.echo(f"enrichq: {message}", err=True)
+        say(f"{message}")
         code = Exit.FAILED
     if args is None:
         sys.exit(code)

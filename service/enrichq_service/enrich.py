@@ -20,6 +20,7 @@ same statement runs on every dialect; `warehouse_lookup` is its per-ticket form.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -335,15 +336,27 @@ def _statement_timeout(conn: sa.Connection, context: EnrichContext) -> Iterator[
 
 
 def _canceller(conn: sa.Connection) -> Callable[[], None]:
-    """Cancels the statement running on `conn`, from another thread (psycopg's cancel)."""
+    """Cancels the statement running on `conn`, from another thread (psycopg's cancel).
+
+    The cancel request goes over a new connection, which a dead network would hold up:
+    it is sent from a thread of its own, so whoever cancels (the heartbeat's watch, the
+    claim loop) never waits for it."""
     raw = conn.connection.dbapi_connection
 
     def cancel() -> None:
         method = getattr(raw, "cancel_safe", None) or getattr(raw, "cancel", None)
         if method is not None:
-            method()
+            threading.Thread(
+                target=_best_effort, args=(method,), name="enrichq-cancel", daemon=True
+            ).start()
 
     return cancel
+
+
+def _best_effort(call: Callable[[], object]) -> None:
+    # the statement timeout still bounds a lookup whose cancel did not get through
+    with contextlib.suppress(Exception):
+        call()
 
 
 def _warehouse_job(result: sa.CursorResult[Any]) -> tuple[str | None, int]:

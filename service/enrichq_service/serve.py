@@ -8,6 +8,8 @@ import threading
 import sqlalchemy as sa
 import sqlalchemy.exc as sa_exc
 
+from enrichq_schema import connections
+from enrichq_schema.errors import describe_database_error
 from enrichq_schema.settings import Settings
 from enrichq_schema.states import StopReason
 
@@ -37,6 +39,11 @@ def run_serve(settings: Settings, url: str) -> int:
 
     # the port first: a port in use is a one-line error before any connection is made
     sock = bind_socket(settings.http_host, settings.http_port)
+    try:
+        connections.preflight(settings, url)
+    except sa_exc.OperationalError as exc:
+        # serve starts anyway: /readyz says the database is unavailable until it is back
+        log.warning("database unavailable at start-up: %s", describe_database_error(exc))
     with worker_process(settings, url) as (worker, engines):
         engine = engines.queue
         app = create_app(settings, engine, health=worker.health)

@@ -299,9 +299,9 @@ def run_cli(
     batch_size: int = DEFAULT_BATCH_SIZE,
 ) -> None:
     """Run an action from the command line and print what it did (or would do)."""
-    from enrichq_schema.db import create_engine
+    from enrichq_schema.connections import create_engine
 
-    engine = create_engine(url, application_name=f"enrichq-{command.value}", pool_size=1)
+    engine = create_engine(settings, url, application_name=f"enrichq-{command.value}", pool_size=1)
     try:
         result = run(
             engine,

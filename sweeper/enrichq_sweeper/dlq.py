@@ -71,9 +71,9 @@ def list_cli(
     settings: Settings, url: str, *, reason: str | None, limit: int, as_json: bool
 ) -> None:
     """Print dead letters newest first: a table, or one JSON object per line."""
-    from enrichq_schema.db import create_engine
+    from enrichq_schema.connections import create_engine
 
-    engine = create_engine(url, application_name="enrichq-dlq", pool_size=1)
+    engine = create_engine(settings, url, application_name="enrichq-dlq", pool_size=1)
     try:
         with engine.connect() as conn:
             set_statement_timeout(conn, settings.statement_timeout_seconds)

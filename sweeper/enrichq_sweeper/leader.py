@@ -1,16 +1,27 @@
-"""One active sweeper among any number of replicas: a session-level Postgres advisory lock.
+"""One active sweeper among any number of replicas.
 
-The lock lives on a dedicated connection. When the process dies, its connection closes and
+In session pool mode (the default) leadership is a session-level Postgres advisory lock
+(`LeaderLock`) on a dedicated connection. When the process dies, its connection closes and
 the server releases the lock, so a waiting replica takes over at its next try; nothing has
 to expire first.
+
+Behind a transaction pooler (ENRICHQ_POOL_MODE=transaction) no session stays ours between
+transactions, so a session lock would be held by whichever client the pooler lends that
+server session to next. There leadership is a lease row instead (`LeaderLease`,
+`enrichq.leader_leases`): the leader renews it at every check; a replica takes a row whose
+lease has run out, so after a leader dies outright another leads within one lease.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from typing import Protocol
 
 import sqlalchemy as sa
 
+from enrichq_schema.settings import Settings
+from enrichq_schema.states import PoolMode
 from enrichq_sweeper.common import sql
 
 log = logging.getLogger(__name__)
@@ -18,17 +29,49 @@ log = logging.getLogger(__name__)
 # The advisory-lock key of the sweeper's leadership: "enrq" "swep" as two 32-bit halves
 # (pg_locks shows them as classid 0x656E7271, objid 0x73776570).
 SWEEPER_LOCK_ID = 0x656E7271_73776570
+# The lease row of the sweeper's leadership (enrichq.leader_leases.name).
+SWEEPER_LEASE_NAME = "sweeper"
+# A lease lasts this many leadership checks: a leader that misses a few checks in a row
+# (a slow database) keeps it, and one that died is replaced within this many.
+LEASE_CHECKS = 6
+
+
+class Leadership(Protocol):
+    """What the sweeper needs of its leadership, whichever way it is held."""
+
+    @property
+    def held(self) -> bool: ...
+
+    def try_acquire(self) -> bool: ...
+
+    def still_held(self) -> bool: ...
+
+    def release(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def leadership(
+    settings: Settings, url: str, *, owner: str, check_seconds: float
+) -> LeaderLock | LeaderLease:
+    """The leadership that fits ENRICHQ_POOL_MODE; checked every `check_seconds`."""
+    if settings.pool_mode is PoolMode.TRANSACTION:
+        return LeaderLease(settings, url, owner=owner, ttl_seconds=check_seconds * LEASE_CHECKS)
+    return LeaderLock(settings, url, owner=owner)
 
 
 class LeaderLock:
     """The sweeper leader lock, held on its own connection of `url`."""
 
-    def __init__(self, url: str, *, owner: str, lock_id: int = SWEEPER_LOCK_ID) -> None:
-        from enrichq_schema.db import create_engine
+    def __init__(
+        self, settings: Settings, url: str, *, owner: str, lock_id: int = SWEEPER_LOCK_ID
+    ) -> None:
+        from enrichq_schema.connections import create_engine
 
         self.lock_id = lock_id
         # application_name shows who leads in pg_stat_activity (Postgres keeps 63 bytes).
         self._engine = create_engine(
+            settings,
             url,
             application_name=f"enrichq-sweeper {owner}"[:63],
             pool_size=1,
@@ -100,3 +143,95 @@ class LeaderLock:
             except Exception:  # noqa: S110 -- the connection is being thrown away either way
                 pass
             self._conn = None
+
+
+class LeaderLease:
+    """The sweeper's leadership as a lease row of `enrichq.leader_leases` (transaction
+    pooling). `still_held` renews it; a renewal that fails, or none that succeeded within
+    half the lease, gives it up here, well before the row runs out for the others."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        url: str,
+        *,
+        owner: str,
+        ttl_seconds: float,
+        name: str = SWEEPER_LEASE_NAME,
+    ) -> None:
+        from enrichq_schema.connections import create_engine
+
+        self.name = name
+        self.owner = owner
+        self.ttl_seconds = ttl_seconds
+        self._engine = create_engine(
+            settings,
+            url,
+            application_name=f"enrichq-sweeper {owner}"[:63],
+            pool_size=1,
+            statement_timeout_seconds=settings.statement_timeout_seconds,
+        )
+        self._held = False
+        self._renewed = 0.0  # time.monotonic() before the last renewal that succeeded
+
+    @property
+    def held(self) -> bool:
+        """Whether this process believes it holds the lease (see `still_held`)."""
+        return self._held
+
+    def try_acquire(self) -> bool:
+        """Take the lease if it is free or has run out; never waits. Errors propagate."""
+        if self._held:
+            return True
+        self._held = self._take()
+        return self._held
+
+    def still_held(self) -> bool:
+        """Renew the lease; False (and let go) when someone else holds it, the renewal
+        failed, or the last success is more than half a lease old."""
+        if not self._held:
+            return False
+        try:
+            renewed = self._take()
+        except Exception as exc:
+            log.warning("leader lease not renewed: %s", type(exc).__name__)
+            renewed = False
+        if not renewed or time.monotonic() - self._renewed > self.ttl_seconds / 2:
+            self._held = False
+        return self._held
+
+    def release(self) -> None:
+        """Give the lease up (a no-op when not held), so another replica leads at once."""
+        if not self._held:
+            return
+        self._held = False
+        try:
+            with self._engine.begin() as conn:
+                conn.execute(
+                    sql()("leader_lease_release"), {"name": self.name, "owner": self.owner}
+                )
+        except Exception as exc:
+            # It runs out by itself within one lease.
+            log.warning("leader lease not released cleanly: %s", type(exc).__name__)
+
+    def close(self) -> None:
+        """Release the lease and close the connection."""
+        self.release()
+        self._engine.dispose()
+
+    def _take(self) -> bool:
+        started = time.monotonic()
+        with self._engine.begin() as conn:
+            expires = conn.execute(
+                sql()("leader_lease_take"),
+                {
+                    "name": self.name,
+                    "owner": self.owner,
+                    "ttl_seconds": self.ttl_seconds,
+                    "now": None,
+                },
+            ).scalar()
+        if expires is None:
+            return False
+        self._renewed = started
+        return True

@@ -24,6 +24,7 @@ import sqlalchemy as sa
 from enrichq_schema import audit
 from enrichq_schema.errors import EnrichqError
 from enrichq_schema.process import Exit, say
+from enrichq_schema.settings import Settings
 from enrichq_schema.states import NOTIFY_CHANNEL, AuditCommand, Kind
 from enrichq_schema.text import printable, text_problem
 from enrichq_sweeper import common
@@ -185,11 +186,13 @@ def _listing(pauses: Sequence[Pause]) -> str:
     return "; ".join(p.scope.describe() for p in pauses) or "nothing"
 
 
-def pause_cli(url: str, scope: Scope, *, actor: str, reason: str | None, as_json: bool) -> int:
+def pause_cli(
+    settings: Settings, url: str, scope: Scope, *, actor: str, reason: str | None, as_json: bool
+) -> int:
     """`enrichq pause`: pause, print what is paused now; the exit code."""
-    from enrichq_schema.db import create_engine
+    from enrichq_schema.connections import create_engine
 
-    engine = create_engine(url, application_name="enrichq-pause", pool_size=1)
+    engine = create_engine(settings, url, application_name="enrichq-pause", pool_size=1)
     try:
         with engine.begin() as conn:
             done, created = pause(conn, scope, actor=actor, reason=reason)
@@ -205,12 +208,14 @@ def pause_cli(url: str, scope: Scope, *, actor: str, reason: str | None, as_json
     return Exit.OK
 
 
-def resume_cli(url: str, scope: Scope | None, *, actor: str, as_json: bool) -> int:
+def resume_cli(
+    settings: Settings, url: str, scope: Scope | None, *, actor: str, as_json: bool
+) -> int:
     """`enrichq resume`: resume one scope (or every pause); the exit code (1 when nothing
     was paused at that scope: what is paused is printed, nothing changed)."""
-    from enrichq_schema.db import create_engine
+    from enrichq_schema.connections import create_engine
 
-    engine = create_engine(url, application_name="enrichq-resume", pool_size=1)
+    engine = create_engine(settings, url, application_name="enrichq-resume", pool_size=1)
     try:
         with engine.begin() as conn:
             resumed = resume(conn, scope, actor=actor)

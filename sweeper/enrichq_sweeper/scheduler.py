@@ -24,7 +24,7 @@ from enrichq_schema.process import Exit, process_id, say, stop_on_signals
 from enrichq_schema.settings import Settings
 from enrichq_sweeper import passes
 from enrichq_sweeper.errors import HookError
-from enrichq_sweeper.leader import LeaderLock
+from enrichq_sweeper.leader import Leadership, leadership
 from enrichq_sweeper.recovery import GaveUpHook, load_hook
 
 log = logging.getLogger(__name__)
@@ -147,24 +147,35 @@ def _quiet_apscheduler(settings: Settings) -> None:
         logging.getLogger("apscheduler").setLevel(logging.WARNING)
 
 
+def _check_seconds(settings: Settings) -> float:
+    """How often a follower asks for the leadership, and the leader checks it still leads."""
+    return min(LEADER_RETRY_SECONDS_MAX, settings.sweep_interval_seconds)
+
+
 def run_sweeper(
     settings: Settings, url: str, *, once: bool, scheduled_parity: ScheduledTask | None = None
 ) -> int:
     """Run the sweeper until SIGTERM/SIGINT (or each task once with `once`); the exit code.
 
     With ENRICHQ_PARITY_INTERVAL_HOURS set, the leader also runs `scheduled_parity`."""
-    from enrichq_schema.db import create_engine
+    from enrichq_schema.connections import create_engine, preflight
 
     try:
         hook = load_hook(settings.gave_up_hook)
     except HookError as exc:
         say(f"invalid setting ENRICHQ_GAVE_UP_HOOK: {exc}")
         return Exit.USAGE
+    preflight(settings, url)  # a pool mode the URL contradicts: exit 2, before anything else
     owner = process_id()
-    engine = create_engine(url, application_name="enrichq-sweeper", pool_size=SCHEDULER_THREADS)
-    sweeper = _Sweeper(
-        engine, settings, url, hook, owner, LeaderLock(url, owner=owner), scheduled_parity
+    engine = create_engine(
+        settings,
+        url,
+        application_name="enrichq-sweeper",
+        pool_size=SCHEDULER_THREADS,
+        statement_timeout_seconds=settings.statement_timeout_seconds,
     )
+    lock = leadership(settings, url, owner=owner, check_seconds=_check_seconds(settings))
+    sweeper = _Sweeper(engine, settings, url, hook, owner, lock, scheduled_parity)
     try:
         problem = _check_schema(engine)
         if problem:
@@ -198,7 +209,7 @@ class _Sweeper:
     url: str
     hook: GaveUpHook
     owner: str
-    lock: LeaderLock
+    lock: Leadership
     scheduled_parity: ScheduledTask | None = None
     stop: threading.Event = field(default_factory=threading.Event)
 
@@ -234,7 +245,7 @@ class _Sweeper:
 
     def lead_or_follow(self) -> int:
         """Follow until the lock is free, lead while it is held, until `stop` is set."""
-        retry_seconds = min(LEADER_RETRY_SECONDS_MAX, self.settings.sweep_interval_seconds)
+        retry_seconds = _check_seconds(self.settings)
         scheduler: Any = None
         leading = threading.Event()
 

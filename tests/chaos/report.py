@@ -1,6 +1,7 @@
 """Run the chaos scenarios at a larger size and write docs/reliability.md.
 
     python -m tests.chaos.report [--tickets N] [--only NAME ...] [--out docs/reliability.md]
+                                 [--blackhole-cap S]
 
 Uses ENRICHQ_TEST_DATABASE_URL's server (default: the local one) for scratch databases;
 the restart scenario starts a PostgreSQL of its own. ENRICHQ_CHAOS_FULL=1 (or the
@@ -20,7 +21,8 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from tests.chaos.scenarios import SCENARIOS, Outcome
+from tests.chaos import blackhole
+from tests.chaos.scenarios import MISSING, SCENARIOS, Outcome
 from tests.support.pg import Databases
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,6 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tickets", type=int, default=FULL_TICKETS)
     parser.add_argument("--only", nargs="*", choices=list(SCENARIOS), default=list(SCENARIOS))
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "reliability.md")
+    parser.add_argument(
+        "--blackhole-cap",
+        type=float,
+        default=150.0,
+        help="heal a blackholed call after this long (0: skip that table)",
+    )
     args = parser.parse_args(argv)
     admin = os.environ.get(
         "ENRICHQ_TEST_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -41,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     outcomes: list[Outcome] = []
     try:
         for name in args.only:
+            why = MISSING.get(name, lambda: None)()
+            if why:
+                print(f"== {name}: skipped, {why}", flush=True)
+                continue
             url = dbs.clone(name)
             logs = Path(tempfile.mkdtemp(prefix=f"enrichq-chaos-{name}-"))
             print(f"== {name} ({args.tickets} tickets) logs: {logs}", flush=True)
@@ -51,13 +63,17 @@ def main(argv: list[str] | None = None) -> int:
             dbs.drop(url)
     finally:
         dbs.drop_all()
-    args.out.write_text(render(outcomes, args.tickets), encoding="utf-8")
+    table = None
+    if args.blackhole_cap > 0:
+        print(f"== blackhole (cap {args.blackhole_cap:g} s)", flush=True)
+        table = blackhole.table(admin, args.blackhole_cap)
+    args.out.write_text(render(outcomes, args.tickets, table), encoding="utf-8")
     print(f"wrote {args.out}")
     bad = [o for o in outcomes if o.lost or o.duplicate_writes or o.not_done or o.wrong_orders]
     return 1 if bad else 0
 
 
-def render(outcomes: list[Outcome], tickets: int) -> str:
+def render(outcomes: list[Outcome], tickets: int, blackhole: list[str] | None = None) -> str:
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"],
         cwd=REPO,
@@ -109,8 +125,33 @@ def render(outcomes: list[Outcome], tickets: int) -> str:
         "- The poison scenario's dead letter is the poison ticket itself (attempts exhausted);",
         "  its enrichment runs in a child process once its worker has died on it, so the",
         "  tickets beside it are unaffected.",
+        "- *behind PgBouncer*: every process through a real PgBouncer 1.18 in transaction",
+        "  pooling (`ENRICHQ_POOL_MODE=transaction`: settings per transaction, nothing",
+        "  prepared, the sweeper leading by a lease row, no LISTEN).",
+        "- *network partition*: one of three workers reaches the database through a TCP proxy",
+        "  that stops forwarding (no FIN, no RST) for 10 s, then heals. It runs with",
+        "  `ENRICHQ_NETWORK_TIMEOUT_SECONDS=2` and a 2 s statement timeout; its lookups take",
+        "  5 s, so the cut finds its handlers running. *late writes accepted*: completions of a",
+        "  lease it held at the cut (its claim token) made by it; the time to recover runs",
+        "  from the cut to an empty queue.",
+        "- *failover*: a private primary and `pg_basebackup` standby; processes on",
+        "  `host=primary,standby` with `target_session_attrs=read-write`. Replication is",
+        "  blackholed for 1 s, the primary stopped with an immediate shutdown, the standby",
+        "  promoted a second later; every count is on the new primary. The time to recover",
+        "  runs from the crash to an empty queue.",
         "",
     ]
+    if blackhole:
+        lines += [
+            "## How long a blackholed connection hangs",
+            "",
+            "A statement on an open connection, and a new connection, through the proxy while",
+            "it forwards nothing (`python -m tests.chaos.blackhole`); a network timeout of 0 is",
+            "what enrichq did before `ENRICHQ_NETWORK_TIMEOUT_SECONDS`.",
+            "",
+            *blackhole,
+            "",
+        ]
     return "\n".join(lines)
 
 

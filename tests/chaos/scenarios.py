@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -28,10 +29,13 @@ import sqlalchemy as sa
 from enrichq_schema.db import create_engine
 from enrichq_service import queue, seed
 from enrichq_service.queue import EnqueueRequest
+from tests.support import cluster, pgbouncer
 from tests.support.db import q
 from tests.support.enrichers import BAD_FIELDS, bad_data_fate
+from tests.support.pgbouncer import PgBouncer
 from tests.support.procs import enrichq_env, spawn, stop, wait_for
 from tests.support.settings import make_settings
+from tests.support.tcpproxy import TcpProxy, target_of, via
 
 AUDIT = """
 CREATE TABLE IF NOT EXISTS public.result_writes (
@@ -257,12 +261,43 @@ def check(engine: sa.Engine, outcome: Outcome, *, poison: tuple[str, ...] = ()) 
 
 def kill_9(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outcome:
     """Workers killed with SIGKILL at random moments, repeatedly, and restarted."""
+    return _kill_workers(db_url, db_url, logs, tickets, rng, name="kill -9 workers, restart")
+
+
+def kill_9_pgbouncer(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outcome:
+    """kill -9 of workers as above, with every enrichq process behind a real PgBouncer 1.18
+    in transaction pooling (ENRICHQ_POOL_MODE=transaction: no LISTEN, the sweeper leading
+    by a lease row), its pool smaller than the fleet's connections."""
+    with PgBouncer(db_url, pool_mode="transaction", pool_size=6) as bouncer:
+        out = _kill_workers(
+            db_url,
+            bouncer.url_of(db_url),
+            logs,
+            tickets,
+            rng,
+            name="kill -9 workers behind PgBouncer (transaction pooling)",
+            pool_mode="transaction",
+        )
+    out.notes = "pool of 6 server connections for 3 workers and a sweeper; polling, no LISTEN"
+    return out
+
+
+def _kill_workers(
+    db_url: str,
+    fleet_url: str,
+    logs: Path,
+    tickets: int,
+    rng: random.Random,
+    *,
+    name: str,
+    **settings: Any,
+) -> Outcome:
     engine = create_engine(db_url)
-    out = Outcome("kill -9 workers, restart", tickets)
+    out = Outcome(name, tickets)
     try:
         prepare(engine, tickets)
         start = time.monotonic()
-        with fleet(db_url, logs) as f:
+        with fleet(fleet_url, logs, **settings) as f:
             f.start_sweeper()
             # a kill every 0.3-1.2 s, one per 30 tickets (at least 8), while work remains
             kills = max(8, tickets // 30)
@@ -418,7 +453,7 @@ def db_restart(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Out
 
     base = Path(tempfile.mkdtemp(prefix="enrichq-chaos-pg-", dir="/tmp"))
     base.chmod(0o711)
-    server = EmbeddedPostgres(base, port=5434)
+    server = EmbeddedPostgres(base, port=cluster.free_port())
     out = Outcome("PostgreSQL restarted, then crashed, mid-run", tickets)
     out.notes = "the second stop is a crash (immediate shutdown): unflushed claims are lost"
     try:
@@ -581,8 +616,164 @@ def bad_data(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outco
         engine.dispose()
 
 
+# The partitioned worker's own bounds: ENRICHQ_NETWORK_TIMEOUT_SECONDS, and a statement
+# timeout that, with it, bounds every reply wait (4 s); the partition lasts well past both
+# and past the lease (3 s).
+PARTITION_SECONDS = 10.0
+PARTITIONED = {"network_timeout_seconds": 2, "statement_timeout_seconds": 2}
+LOST_LINE = "treated as lost"
+
+
+def partition(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outcome:
+    """One worker's connections run through a TCP proxy that, mid-run, stops forwarding in
+    both directions without closing anything (no FIN, no RST) for PARTITION_SECONDS, more
+    than three leases, then heals. The worker must give its jobs up within a lease (its
+    handlers stopped), and every write of those jobs that arrives late must be refused."""
+    engine = create_engine(db_url)
+    out = Outcome("network partition of one worker (blackholed, then healed)", tickets)
+    try:
+        prepare(engine, tickets)
+        start = time.monotonic()
+        slow = {
+            "enricher": "tests.support.enrichers:sleepy_warehouse",
+            "ENRICHQ_TEST_SLOW_SECONDS": 0.05,
+        }
+        with TcpProxy(target_of(db_url)) as proxy, fleet(db_url, logs, workers=2, **slow) as f:
+            # its lookups take longer, so the cut finds its handlers running (the first claim
+            # is seen within a poll), not only settles
+            victim_env = enrichq_env(
+                via(proxy, db_url),
+                **{**FAST, **slow, **PARTITIONED, "ENRICHQ_TEST_SLOW_SECONDS": 5},
+            )
+            victim = spawn(["worker"], victim_env, log=logs / "partitioned.log")
+            f.workers.append(victim)  # stopped (gracefully) with the others
+            f.start_sweeper()
+            owner = f"{socket.gethostname()}:{victim.pid}:%"
+            held = (
+                "SELECT id, claim_token FROM enrichq.queue"
+                " WHERE state = 'leased' AND lease_owner LIKE :owner"
+            )
+            wait_for(
+                lambda: q(engine, held, owner=owner),
+                timeout=120,
+                interval=0.02,
+                what="the partitioned worker to hold leases",
+            )
+            proxy.blackhole()
+            cut_at, cut = time.time(), time.monotonic()
+            out.faults += 1
+            # what it held when the network went: nothing of it can reach the server now
+            at_cut = q(engine, held, owner=owner)
+            # the others finish its work: its leases expire, the sweeper puts them back
+            drained(engine, None)
+            out.recover_seconds.append(time.monotonic() - cut)
+            time.sleep(max(0.0, cut + PARTITION_SECONDS - time.monotonic()))
+            proxy.heal()
+            # a graceful stop flushes its settles: every late write it makes has been tried
+            assert stop(victim) == 0
+            drained(engine, f)
+        out.seconds = time.monotonic() - start
+        late = q(
+            engine,
+            "SELECT count(*) FROM enrichq.queue q JOIN unnest(CAST(:ids AS bigint[]),"
+            " CAST(:tokens AS uuid[])) AS h (id, token) ON q.id = h.id"
+            " WHERE q.state = 'done' AND q.claim_token = h.token",
+            ids=[r[0] for r in at_cut],
+            tokens=[r[1] for r in at_cut],
+        )[0][0]
+        lost = q(
+            engine,
+            "SELECT coalesce(sum(CAST(counts->>'lost' AS int)), 0) FROM enrichq.runs"
+            " WHERE component = 'worker' AND owner LIKE :owner",
+            owner=owner,
+        )[0][0]
+        noticed = _first_log_line(logs / "partitioned.log", LOST_LINE)
+        given_up = (
+            "none given up"
+            if noticed is None
+            else f"{noticed[1]} running given up after {noticed[0] - cut_at:.1f} s"
+        )
+        out.notes = (
+            f"partition {PARTITION_SECONDS:g} s, lease {FAST['lease_seconds']:g} s: "
+            f"{len(at_cut)} leases held at the cut, {given_up} ({lost} lost in all); "
+            f"late writes accepted: {late}"
+        )
+        return check(engine, out)
+    finally:
+        engine.dispose()
+
+
+def _first_log_line(path: Path, needle: str) -> tuple[float, int] | None:
+    """The time (epoch seconds) of the first log line containing `needle`, and the first
+    count of leases on it (how many the lease watch gave up)."""
+    import re
+    from datetime import datetime
+
+    for line in path.read_text(errors="replace").splitlines():
+        if needle in line:
+            stamp = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+            count = re.search(r": (\d+) leases", line)
+            return stamp.timestamp(), int(count.group(1)) if count else 0
+    return None
+
+
+def failover(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outcome:
+    """Workers and a sweeper on a multi-host URL (primary, standby;
+    target_session_attrs=read-write). Mid-run, replication stalls for a second (its
+    connection blackholed), the primary is stopped hard (immediate shutdown) and the
+    standby promoted: the commits that had not replicated are lost with the primary and
+    must be redone, never doubled, by the same processes reconnecting by themselves.
+    (A server pair of the scenario's own; `db_url` is unused.)"""
+    from enrichq_schema.db import ensure_database, migrate
+
+    out = Outcome("failover: primary stopped hard, standby promoted", tickets)
+    with cluster.cluster(proxied_replication=True) as c:
+        url = ensure_database(c.primary.url(), "enrichq")
+        migrate(url)
+        primary = c.engine(url)
+        prepare(primary, tickets)
+        c.wait_caught_up("enrichq")
+        start = time.monotonic()
+        multi = c.multi_host_url("enrichq")
+        done = "SELECT count(*) FROM enrichq.queue WHERE state = 'done'"
+        with fleet(multi, logs, network_timeout_seconds=2) as f:
+            f.start_sweeper()
+            wait_for(lambda: q(primary, done)[0][0] >= tickets * 0.4, timeout=240, what="40% done")
+            assert c.replication is not None
+            c.replication.blackhole()  # the standby stops receiving WAL
+            time.sleep(1.0)
+            done_on_primary = q(primary, done)[0][0]
+            c.primary.stop("immediate")
+            crashed = time.monotonic()
+            out.faults += 1
+            primary.dispose()
+            time.sleep(1.0)  # the time it takes someone to decide to fail over
+            c.standby.promote()
+            promoted = time.monotonic()
+            standby = c.engine(c.standby.url("enrichq"))
+            done_on_standby = q(standby, done)[0][0]
+            wait_for(
+                lambda: q(standby, done)[0][0] > done_on_standby,
+                timeout=120,
+                interval=0.05,
+                what="work on the new primary",
+            )
+            resumed = time.monotonic() - promoted
+            drained(standby, None)
+            out.recover_seconds.append(time.monotonic() - crashed)
+            restarted = sum(p.poll() is not None for p in [*f.workers, f.sweeper] if p)
+        out.seconds = time.monotonic() - start
+        out.notes = (
+            f"{done_on_primary - done_on_standby} completions committed on the old primary "
+            "never replicated (all redone); work resumed "
+            f"{resumed:.1f} s after the promotion; processes that exited: {restarted}"
+        )
+        return check(standby, out)
+
+
 SCENARIOS: dict[str, Callable[[str, Path, int, random.Random], Outcome]] = {
     "kill_9": kill_9,
+    "kill_9_pgbouncer": kill_9_pgbouncer,
     "freeze": freeze,
     "db_restart": db_restart,
     "terminate_storm": terminate_storm,
@@ -590,4 +781,13 @@ SCENARIOS: dict[str, Callable[[str, Path, int, random.Random], Outcome]] = {
     "sweeper_killed": sweeper_killed,
     "poison": poison,
     "bad_data": bad_data,
+    "partition": partition,
+    "failover": failover,
+}
+
+# What a scenario needs beyond the test server: a function saying why it cannot run here
+# (a Debian package that is not installed), or None.
+MISSING: dict[str, Callable[[], str | None]] = {
+    "kill_9_pgbouncer": pgbouncer.missing,
+    "failover": cluster.missing,
 }

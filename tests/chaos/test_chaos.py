@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.scenarios import SCENARIOS
+from tests.chaos.scenarios import MISSING, SCENARIOS
 
 pytestmark = pytest.mark.slow
 # Bounded for CI; ENRICHQ_CHAOS_FULL=1 runs the size the report uses.
@@ -21,6 +21,9 @@ TICKETS = 3000 if os.environ.get("ENRICHQ_CHAOS_FULL") == "1" else 300
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_scenario_keeps_the_promise(name: str, db_url: str, tmp_path: Path) -> None:
+    why = MISSING.get(name, lambda: None)()
+    if why:
+        pytest.skip(why)
     outcome = SCENARIOS[name](db_url, tmp_path, TICKETS, random.Random(name))
     assert outcome.faults > 0
     assert outcome.lost == 0
@@ -32,8 +35,14 @@ def test_scenario_keeps_the_promise(name: str, db_url: str, tmp_path: Path) -> N
         assert outcome.dead_letters == 1
     elif name == "bad_data":
         assert "wrongly settled: []; `worker --drain` exit 0" in outcome.notes
-        assert outcome.dead_letters == 0
     elif name == "slow_warehouse":
         assert outcome.notes == "claims beyond the first: 0"
-    elif name != "sweeper_killed":
+    elif name == "partition":
+        # its running handlers were given up by the lease watch; nothing late landed
+        assert " running given up after " in outcome.notes, outcome.notes
+        assert outcome.notes.endswith("late writes accepted: 0"), outcome.notes
+    elif name == "failover":
+        # every process reconnected to the new primary by itself
+        assert outcome.notes.endswith("processes that exited: 0"), outcome.notes
+    if name not in ("sweeper_killed", "poison"):
         assert outcome.dead_letters == 0

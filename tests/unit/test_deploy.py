@@ -521,6 +521,26 @@ def test_the_migrate_job_and_parity_cronjob_run_their_commands() -> None:
     assert parity["args"][:3] == ["parity", "--json", "/tmp/parity.json"]
 
 
+@pytest.mark.parametrize("name", ["enrichq-worker", "enrichq-sweep"])
+def test_workers_and_sweepers_wait_for_the_schema_to_reach_head(name: str) -> None:
+    """An init container runs `enrichq migrate --check` (non-zero while the schema is
+    behind), with the settings and secrets of the main container, so it checks the same
+    database."""
+    pod = pod_spec(one("Deployment", name))
+    (init,) = pod["initContainers"]
+    (main,) = pod["containers"]
+    assert init["args"][:2] == ["migrate", "--check"]
+    assert init["image"] == main["image"]
+    assert init["envFrom"] == main["envFrom"]
+    assert "--wait" in init["args"]
+    wait = float(init["args"][init["args"].index("--wait") + 1])
+    deadline = one("Job", "enrichq-migrate")["spec"]["activeDeadlineSeconds"]
+    assert wait >= deadline  # it outwaits the migration it waits for
+    assert "migrate" in cli_commands()
+    (migrate,) = [c for c in cli.commands.values() if c.name == "migrate"]
+    assert {"--check", "--wait"} <= {o for p in migrate.params for o in p.opts}
+
+
 def test_every_workload_is_locked_down_and_reads_its_settings() -> None:
     configmaps = {o["metadata"]["name"] for o in by_kind("ConfigMap")}
     secrets = {o["metadata"]["name"] for o in by_kind("Secret")}
@@ -531,7 +551,7 @@ def test_every_workload_is_locked_down_and_reads_its_settings() -> None:
         name = obj["metadata"]["name"]
         assert pod["securityContext"]["runAsNonRoot"] is True, name
         assert pod["securityContext"]["runAsUser"] != 0, name
-        for c in pod["containers"]:
+        for c in [*pod.get("initContainers", []), *pod["containers"]]:
             assert c["image"] == "enrichq", name
             assert c["args"][0] in commands, name
             security = c["securityContext"]

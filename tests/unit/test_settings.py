@@ -83,6 +83,9 @@ def test_toml_file_is_read_and_environment_wins(
         ({"ENRICHQ_WAREHOUSE_URL": "bigquery://project/dataset"}, "no SQLAlchemy dialect"),
         ({"ENRICHQ_WAREHOUSE_URL": "mysql://u:pw@h/db"}, "driver of mysql:// is not installed"),
         ({"ENRICHQ_WAREHOUSE_URL": "postgresql://u:pw@h/db?sslmod=x"}, "'sslmod'"),
+        ({"ENRICHQ_POOL_MODE": "statement"}, "ENRICHQ_POOL_MODE"),
+        ({"ENRICHQ_NETWORK_TIMEOUT_SECONDS": "-1"}, "ENRICHQ_NETWORK_TIMEOUT_SECONDS"),
+        ({"ENRICHQ_LISTEN_DATABASE_URL": "mysql://u:pw@h/db"}, "ENRICHQ_LISTEN_DATABASE_URL"),
         ({"ENRICHQ_NO_SUCH_THING": "1"}, None),
     ],
 )
@@ -109,6 +112,7 @@ def test_impossible_values_are_refused_naming_the_field(
         ("database_url", "postgresql://u:pw@h:5432/db?sslmode=require&connect_timeout=5"),
         ("database_url", "postgresql+psycopg2://u@/db?host=a:5432&host=b:5432"),
         ("database_url", "postgresql://u@h/db?target_session_attrs=read-write"),
+        ("listen_database_url", "postgresql://u@db-direct:5432/db?keepalives_idle=30"),
         ("warehouse_url", "sqlite:///warehouse.db"),
         ("warehouse_url", "postgresql://u@h/warehouse?application_name=lookups"),
     ],

@@ -138,6 +138,36 @@ def test_oldest_unsettled_counts_from_the_hand_off() -> None:
     assert jobs.oldest_unsettled_seconds(a.handed_at + 7) == pytest.approx(7)
 
 
+def test_a_lease_no_statement_confirmed_for_a_lease_is_given_up() -> None:
+    """The lease watch: a job claimed (or last extended) more than a lease ago is lost and
+    told to stop; one a later heartbeat confirmed, and one already settling, are not."""
+    jobs = Jobs()
+    claimed_at = 100.0
+    stale, renewed, settling = (
+        Held(held(n).job, None, float("inf"), claimed_at=claimed_at) for n in (1, 2, 3)
+    )
+    jobs.add([stale, renewed, settling])
+    jobs.start([stale, renewed, settling])
+    jobs.hand_off(settling, finished=True)
+    jobs.confirm([renewed], claimed_at + 50)
+    jobs.confirm([renewed], claimed_at + 10)  # an older heartbeat answering late: no step back
+    assert renewed.confirmed == claimed_at + 50
+    lease = 60.0
+    assert jobs.unconfirmed_since(claimed_at + lease - 1 - lease) == []
+    assert jobs.unconfirmed_since(claimed_at + lease + 1 - lease) == [1]
+    assert jobs.lose([1]) == [stale]
+    assert stale.cancelled.is_set()
+    assert not renewed.cancelled.is_set()
+    assert jobs.unconfirmed_since(claimed_at + 200) == [2]  # settling ones never
+
+
+def test_a_claimed_job_is_confirmed_from_before_its_claim() -> None:
+    before_claim = 5.0
+    h = Held(held(1).job, None, float("inf"), claimed_at=9.0, lease_confirmed_at=before_claim)
+    assert h.confirmed == before_claim
+    assert Held(held(2).job, None, float("inf"), claimed_at=9.0).confirmed == 9.0
+
+
 class RegistryMachine(RuleBasedStateMachine):
     """Random interleavings of what the claim loop, runner, settler and heartbeat do."""
 

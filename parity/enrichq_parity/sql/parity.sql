@@ -3,8 +3,34 @@
 -- configured tables, quoted by enrichq_parity.names (identifiers cannot be bound).
 
 -- name: parity_now
--- The time parity measures against: :now when a test moves time, else the database clock.
-SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
+-- The time parity measures against: :now when a test moves time; on a standby (a read
+-- replica), the primary's commit time of the last transaction it has replayed, since what
+-- it holds is the primary as of then (with nothing replayed since it started: its last
+-- restartpoint), never later than its own clock; else the database clock. Judged by it, a
+-- ticket whose results have not replayed yet is too young, never missing.
+SELECT coalesce(
+    CAST(:now AS timestamptz),
+    CASE
+        WHEN pg_is_in_recovery() THEN least(
+            now(),
+            coalesce(
+                pg_last_xact_replay_timestamp(), (pg_control_checkpoint()).checkpoint_time
+            )
+        )
+        ELSE now()
+    END
+) AS now
+
+
+-- name: parity_read_side
+-- Whether parity reads a standby, and how far its replay is behind its own clock (seconds;
+-- NULL on a primary).
+SELECT pg_is_in_recovery() AS standby,
+       CASE
+           WHEN pg_is_in_recovery() THEN extract(epoch FROM now() - coalesce(
+               pg_last_xact_replay_timestamp(), (pg_control_checkpoint()).checkpoint_time
+           ))
+       END AS lag_seconds
 
 -- name: parity_legacy_indexed
 -- Whether the table :name can be probed by ticket: it is not a plain table (a view, whose

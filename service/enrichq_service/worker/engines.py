@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import sqlalchemy as sa
 
-from enrichq_schema.db import create_engine
+from enrichq_schema.connections import create_engine
 from enrichq_schema.settings import Settings
 
 
@@ -37,12 +37,17 @@ def build_engines(settings: Settings, url: str) -> WorkerEngines:
     server crash undoes only returns its rows to the queue, and the fence refuses whatever
     this worker then settles for them), and no ping precedes each checkout, since a failed
     claim is simply retried.
+
+    Every engine follows ENRICHQ_POOL_MODE and ENRICHQ_NETWORK_TIMEOUT_SECONDS
+    (`enrichq_schema.connections`): behind a transaction pooler the session settings are
+    set in each transaction and nothing is prepared, so the claim keeps no generic plan.
     """
     # A worker frozen mid-transaction (SIGSTOP, a VM pause) would hold the row locks of its
     # claim or settle, and the sweeper would wait on them: the server ends such a session
     # after one lease, the time after which its work is someone else's anyway.
     session = functools.partial(
         create_engine,
+        settings,
         url,
         statement_timeout_seconds=settings.statement_timeout_seconds,
         idle_in_transaction_timeout_seconds=settings.lease_seconds,
@@ -56,6 +61,7 @@ def build_engines(settings: Settings, url: str) -> WorkerEngines:
         asynchronous_commit=True,
     )
     warehouse = create_engine(
+        settings,
         settings.warehouse_url or url,
         application_name="enrichq-warehouse",
         pool_size=settings.concurrency,

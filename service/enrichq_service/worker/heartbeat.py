@@ -5,6 +5,12 @@ its handler is told to stop and its result is never written.
 Only jobs not yet handed to the settler are extended: a job whose settle commits while the
 heartbeat runs is not a lost lease (the registry ignores the report of a job it has already
 let go), so `enrichq_heartbeat_lost_leases_total` counts only leases really lost.
+
+The watch (`Heartbeat.watch`, a thread of its own, because the heartbeat's may hang on a
+dead network) treats as lost every job whose lease no statement has confirmed for a whole
+lease: the database may have given the row to someone else by now. Its handler is told to
+stop and its result is never settled, whatever the network does meanwhile; a settle that
+was already on its way is refused by the fence when (if) it arrives.
 """
 
 from __future__ import annotations
@@ -45,11 +51,34 @@ class Heartbeat:
         while not stop.wait(period):
             self.beat()
 
+    def watch(self, stop: threading.Event) -> None:
+        """Until stopped, lose the jobs whose lease went a whole lease unconfirmed."""
+        period = min(self._settings.heartbeat_seconds, self._settings.lease_seconds / 8)
+        while not stop.wait(period):
+            self.lose_unconfirmed(time.monotonic())
+
+    def lose_unconfirmed(self, now: float) -> int:
+        """Lose the jobs no statement has confirmed the lease of since a lease before
+        `now`; how many."""
+        stale = self._jobs.unconfirmed_since(now - self._settings.lease_seconds)
+        if not stale:
+            return 0
+        lost = self._jobs.lose(stale)
+        if lost:
+            log.warning(
+                "no heartbeat has reached the database for %.1f s (a lease): %d leases "
+                "treated as lost, their handlers stopped",
+                now - self._last,
+                len(lost),
+            )
+        return len(lost)
+
     def beat(self) -> None:
         metrics.heartbeat_lag_seconds.set(time.monotonic() - self._last)
         held = self._jobs.heartbeat_jobs()
+        started = time.monotonic()
         if not held:
-            self._last = time.monotonic()
+            self._last = started
             return
         try:
             with self._engine.begin() as conn:
@@ -67,5 +96,7 @@ class Heartbeat:
             log.warning("heartbeat failed (%s)", error_text(exc))
             return
         self._last = time.monotonic()
+        gone = set(missing)
+        self._jobs.confirm([h for h in held if h.id not in gone], started)
         if missing:
             self._jobs.lose(missing)

@@ -114,15 +114,28 @@ class Held:
     ticket: Ticket | None
     deadline: float  # time.monotonic() after which the attempt is abandoned
     claimed_at: float = field(default_factory=time.monotonic)
+    # time.monotonic() before the last statement that (re)set the lease on the server (the
+    # claim, then each heartbeat that extended it): the lease lasts at least until this
+    # plus the lease length, and perhaps not a moment longer
+    lease_confirmed_at: float | None = None
     phase: Phase = Phase.CLAIMED
     handed_at: float | None = None  # when its settlement went to the settler
     cancelled: threading.Event = field(default_factory=threading.Event)
     # called (once) when the job is abandoned or lost: interrupts a running lookup
     _cancellers: list[Callable[[], None]] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        if self.lease_confirmed_at is None:
+            self.lease_confirmed_at = self.claimed_at
+
     @property
     def id(self) -> int:
         return self.job.id
+
+    @property
+    def confirmed(self) -> float:
+        assert self.lease_confirmed_at is not None  # set by __post_init__
+        return self.lease_confirmed_at
 
 
 class Jobs:
@@ -203,6 +216,19 @@ class Jobs:
             _cancel(h)
             self._on_lost(h)
         return lost
+
+    def confirm(self, held: Iterable[Held], at: float) -> None:
+        """A heartbeat that started at `at` extended these leases."""
+        with self._lock:
+            for h in held:
+                h.lease_confirmed_at = max(h.confirmed, at)
+
+    def unconfirmed_since(self, before: float) -> list[int]:
+        """Jobs whose lease the heartbeat extends that no statement has confirmed since
+        `before`: past a lease without a heartbeat, the lease may be someone else's."""
+        alive = (Phase.CLAIMED, Phase.STARTED, Phase.FINISHED)
+        with self._lock:
+            return [h.id for h in self._held.values() if h.phase in alive and h.confirmed < before]
 
     def heartbeat_jobs(self) -> list[Held]:
         """Jobs whose lease the heartbeat extends: not yet handed to the settler."""

@@ -1,30 +1,38 @@
 """The listener: LISTENs for enqueue notifications on a connection of its own (a LISTEN
 that shares a connection with queries stalls them) and wakes the claim loop; the loop also
 polls every ENRICHQ_POLL_SECONDS as a backstop, so a lost notification or connection only
-delays work."""
+delays work.
+
+The connection goes where `enrichq_schema.connections.listen_url` says: behind a
+transaction pooler a LISTEN would hold a pooled session that others then use, so there it
+needs ENRICHQ_LISTEN_DATABASE_URL (a direct connection), or there is no listener at all."""
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import psycopg
 
-from enrichq_schema.db import normalize_url
 from enrichq_schema.states import NOTIFY_CHANNEL
 from enrichq_service.worker.db import Backoff
 
 log = logging.getLogger(__name__)
 
 
-def listen(url: str, wake: Callable[[], None], stop: threading.Event) -> None:
-    """Wake on every notification until `stop` is set; reconnect after a backoff."""
-    dsn = normalize_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+def listen(
+    connect_params: Mapping[str, Any], wake: Callable[[], None], stop: threading.Event
+) -> None:
+    """Wake on every notification until `stop` is set; reconnect after a backoff.
+
+    `connect_params`: psycopg.connect() keyword arguments
+    (`enrichq_schema.connections.listen_connect_params`)."""
     backoff = Backoff()
     while not stop.is_set():
         try:
-            with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
+            with psycopg.connect(**connect_params, autocommit=True) as conn:
                 conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
                 backoff.reset()
                 while not stop.is_set():

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import sqlalchemy as sa
 import sqlalchemy.exc as sa_exc
 
-from enrichq_schema import metrics, runlog
+from enrichq_schema import connections, metrics, runlog
 from enrichq_schema.errors import constraint_name
 from enrichq_schema.process import lease_owner, say, stop_on_signals
 from enrichq_schema.settings import Settings
@@ -87,6 +87,18 @@ class Tally:
             return Counter(self._counts)
 
 
+class _WakingEvent(threading.Event):
+    """An event whose setting also sets `wake`: a stop must not wait for the next poll."""
+
+    def __init__(self, wake: threading.Event) -> None:
+        super().__init__()
+        self._also = wake
+
+    def set(self) -> None:
+        super().set()
+        self._also.set()
+
+
 class Worker:
     """One worker process's runtime; `run()` blocks until it stops."""
 
@@ -105,8 +117,9 @@ class Worker:
         self.engine = engine
         self.owner = owner or lease_owner()
         self.kinds = tuple(kinds)
-        self.stop = threading.Event()  # set by a signal or by the embedding process
         self._wake = threading.Event()
+        # set by a signal or by the embedding process; setting it wakes the claim loop
+        self.stop: threading.Event = _WakingEvent(self._wake)
         self._tally = Tally()
         self._fatal: str | None = None
         self._budget_refused = threading.Event()
@@ -153,15 +166,19 @@ class Worker:
         threads = [
             self._supervised("settler", lambda: self.settler.run(settler_stop, settler_give_up)),
             self._supervised("heartbeat", lambda: self.heartbeat.run(parts_stop)),
-            self._supervised(
-                "listener",
-                lambda: listen(
-                    self.engine.url.render_as_string(hide_password=False),
-                    self._wake.set,
-                    parts_stop,
-                ),
-            ),
+            self._supervised("lease-watch", lambda: self.heartbeat.watch(parts_stop)),
         ]
+        url = self.engine.url.render_as_string(hide_password=False)
+        listen_at = connections.listen_url(self.settings, url)
+        if listen_at is not None:
+            params = connections.listen_connect_params(self.settings, listen_at)
+            threads.append(
+                self._supervised("listener", lambda: listen(params, self._wake.set, parts_stop))
+            )
+        else:
+            log.info(
+                "no LISTEN in transaction pool mode: polling every %gs", self.settings.poll_seconds
+            )
         result = RunResult()
         try:
             result.stop_reason, result.error = self._claim_loop(drain, time_budget, started)
@@ -249,7 +266,11 @@ class Worker:
         if not jobs:
             return False
         deadline = received + self.settings.attempt_deadline_seconds
-        batch = [Held(j, tickets.get(j.key), deadline, claimed_at=received) for j in jobs]
+        # the lease was set by the claim, which started no earlier than `now`
+        batch = [
+            Held(j, tickets.get(j.key), deadline, claimed_at=received, lease_confirmed_at=now)
+            for j in jobs
+        ]
         self.jobs.add(batch)
         self._free_since = None
         metrics.jobs_in_flight.set(len(self.jobs))
@@ -363,9 +384,14 @@ def worker_process(settings: Settings, url: str) -> Iterator[tuple[Worker, Worke
 def run_worker(
     settings: Settings, url: str, *, drain: bool = False, time_budget: float | None = None
 ) -> int:
-    """`enrichq worker`: run until stopped; exit 0 on a healthy stop, 1 on an error."""
+    """`enrichq worker`: run until stopped; exit 0 on a healthy stop, 1 on an error.
+
+    Before anything starts, the preflight (`connections.preflight`): a database that
+    cannot be reached stops the worker with its error (exit 1), a pool mode that the URL
+    contradicts with a SettingsError (exit 2); a worker never loops on either."""
     from enrichq_service.observe import start_metrics_server
 
+    connections.preflight(settings, url)
     with worker_process(settings, url) as (worker, _):
         start_metrics_server(settings.metrics_port)
         with stop_on_signals(worker.stop, doing="finishing in-flight work"):

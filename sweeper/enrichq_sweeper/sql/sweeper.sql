@@ -23,6 +23,34 @@ SELECT pg_try_advisory_lock(CAST(:lock_id AS bigint));
 SELECT pg_advisory_unlock(CAST(:lock_id AS bigint));
 
 
+-- name: leader_lease_take
+-- Takes the lease row :name for :owner until :ttl_seconds from now when it is free, has
+-- run out, or is :owner's already (a renewal); returns its new expiry when :owner leads
+-- now, no row when someone else does.
+INSERT INTO enrichq.leader_leases AS l (name, owner, acquired_at, renewed_at, expires_at)
+VALUES (
+    :name,
+    :owner,
+    coalesce(CAST(:now AS timestamptz), now()),
+    coalesce(CAST(:now AS timestamptz), now()),
+    coalesce(CAST(:now AS timestamptz), now())
+        + make_interval(secs => CAST(:ttl_seconds AS double precision))
+)
+ON CONFLICT (name) DO UPDATE
+SET owner = excluded.owner,
+    acquired_at = CASE WHEN l.owner = excluded.owner THEN l.acquired_at
+                       ELSE excluded.acquired_at END,
+    renewed_at = excluded.renewed_at,
+    expires_at = excluded.expires_at
+WHERE l.owner = excluded.owner OR l.expires_at <= excluded.renewed_at
+RETURNING l.expires_at;
+
+
+-- name: leader_lease_release
+-- Gives the lease row :name up if :owner holds it, so another replica may lead at once.
+DELETE FROM enrichq.leader_leases WHERE name = :name AND owner = :owner;
+
+
 -- name: recovery_scan
 -- Up to :batch_size expired leases after id :after_id, lowest id first (the cursor).
 SELECT q.id, q.kind, q.key, q.attempts, q.max_attempts

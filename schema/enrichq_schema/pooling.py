@@ -1,0 +1,216 @@
+"""How an engine's sessions get their settings, per pool mode, and how long a connection
+may wait for the server.
+
+Between enrichq and PostgreSQL there may be a connection pooler. In **session** pooling
+(or with no pooler) a client connection keeps one server session for its life; in
+**transaction** pooling (PgBouncer's `pool_mode = transaction`) every transaction may run
+on another server session, so nothing set on a session survives the transaction:
+
+- settings (`statement_timeout`, …): in session mode (the default) set once per
+  connection, when it is made; in transaction mode `set_config(…, true)` before the first
+  statement of every transaction;
+- server-side prepared statements: in session mode the claim loop's hot statements; in
+  transaction mode none (`prepare_threshold=None`).
+
+Settings are never sent as the `options` startup parameter, which PgBouncer refuses
+("unsupported startup parameter: options").
+
+The network: with a timeout, libpq probes idle connections (TCP keepalives), gives up on
+data the peer does not acknowledge (`tcp_user_timeout`) and on connecting
+(`connect_timeout`); and every wait for a reply is bounded by the client itself
+(`BoundedConnection`), because a proxy or pooler in the path acknowledges our packets even
+when the server behind it is gone, which no TCP-level timeout can see.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import psycopg
+import psycopg.errors
+import sqlalchemy as sa
+from psycopg.abc import PQGen
+from sqlalchemy.engine import ExecutionContext
+
+from enrichq_schema.queries import load
+from enrichq_schema.states import PoolMode
+
+__all__ = ["BoundedConnection", "NoReply", "PoolMode", "install", "network_params"]
+
+RV = TypeVar("RV")
+
+# Keepalive probes sent before an idle connection is declared dead.
+KEEPALIVE_PROBES = 3
+# libpq treats a connect_timeout under 2 s as 2 s.
+CONNECT_TIMEOUT_MIN_SECONDS = 2
+# How often a wait wakes up to let Python handle signals (psycopg's own default).
+WAIT_INTERVAL_SECONDS = 0.1
+
+
+class NoReply(psycopg.OperationalError):
+    """The server did not answer in time; the connection was closed."""
+
+
+class _NeverRaised(Exception):
+    """Stands in for psycopg's wait timeout where a psycopg version has none."""
+
+
+# What psycopg raises when Connection.wait(timeout=...) runs out (psycopg 3.3's name;
+# tests/db/test_network_timeouts.py fails if an upgrade renames it).
+WAIT_TIMEOUT: type[Exception] = getattr(psycopg.errors, "_WaitTimeout", _NeverRaised)
+
+
+def _sql() -> Any:
+    return load("enrichq_schema", "sql/session.sql")
+
+
+def network_params(timeout_seconds: float) -> dict[str, object]:
+    """libpq connection options that notice a dead network within about `timeout_seconds`.
+
+    Keepalives: an idle connection is probed after half the timeout, then every
+    (timeout / 2) / probes seconds, and dropped after that many unanswered probes.
+    `tcp_user_timeout`: data the peer does not acknowledge for the timeout drops the
+    connection (keepalives alone never fire while data is in flight). `connect_timeout`:
+    the same bound on connecting, per host of a multi-host URL.
+    """
+    idle = max(1, math.ceil(timeout_seconds / 2))
+    interval = max(1, math.ceil(timeout_seconds / 2 / KEEPALIVE_PROBES))
+    return {
+        "keepalives": 1,
+        "keepalives_idle": idle,
+        "keepalives_interval": interval,
+        "keepalives_count": KEEPALIVE_PROBES,
+        "tcp_user_timeout": max(1, int(timeout_seconds * 1000)),
+        "connect_timeout": max(CONNECT_TIMEOUT_MIN_SECONDS, math.ceil(timeout_seconds)),
+    }
+
+
+class BoundedConnection(psycopg.Connection[Any]):
+    """A psycopg connection that waits at most `reply_timeout` seconds for any one exchange
+    with the server (a statement and its reply, a commit). Past it the connection is closed
+    and the call fails like a lost connection (SQLAlchemy then discards it from its pool).
+
+    Waits that carry their own timeout (`notifies(timeout=…)`) keep it."""
+
+    reply_timeout: float | None = None
+
+    def wait(
+        self, gen: PQGen[RV], interval: float = WAIT_INTERVAL_SECONDS, timeout: float | None = None
+    ) -> RV:
+        bound = self.reply_timeout
+        if timeout is not None or bound is None:
+            return super().wait(gen, interval, timeout)
+        try:
+            return super().wait(gen, interval, bound)
+        except WAIT_TIMEOUT:
+            # Mid-exchange: the protocol state is unknown, so the connection is unusable.
+            self.close()
+            raise NoReply(
+                f"no reply from the database within {bound:g} s; connection closed"
+            ) from None
+
+
+def install(
+    engine: sa.Engine,
+    mode: PoolMode,
+    settings: Mapping[str, str],
+    *,
+    reply_timeout_seconds: float | None = None,
+) -> None:
+    """Make `engine`'s sessions run with `settings` (server parameters) the way `mode`
+    allows, and bound every wait for the server by `reply_timeout_seconds` (None: none)."""
+    if reply_timeout_seconds is not None:
+        bound = reply_timeout_seconds
+
+        @sa.event.listens_for(engine, "do_connect")
+        def _bounded(dialect: Any, record: Any, cargs: Any, cparams: Any) -> Any:
+            conn = BoundedConnection.connect(*cargs, **cparams)
+            conn.reply_timeout = bound
+            return conn
+
+    if not settings:
+        return
+    names, values = list(settings), list(settings.values())
+    compiled = _sql()("session_apply").compile(dialect=engine.dialect)
+    statement = compiled.string
+
+    def params(local: bool) -> Any:
+        return compiled.construct_params({"names": names, "values": values, "local": local})
+
+    if mode is PoolMode.SESSION:
+        session_params = params(False)
+
+        @sa.event.listens_for(engine, "connect")
+        def _apply_once(dbapi_connection: Any, record: Any) -> None:
+            with dbapi_connection.cursor() as cursor:
+                cursor.execute(statement, session_params)
+            if not dbapi_connection.autocommit:
+                dbapi_connection.commit()
+
+        return
+
+    local_params = params(True)
+    # DBAPI connections whose transaction has begun without its settings yet (weakly held:
+    # a connection the pool throws away leaves by itself)
+    pending: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    @sa.event.listens_for(engine, "begin")
+    def _pending(conn: sa.Connection) -> None:
+        pending.add(conn.connection.dbapi_connection)
+
+    def _apply_first(cursor: Any, context: ExecutionContext) -> None:
+        dbapi_connection = cursor.connection
+        if dbapi_connection in pending:
+            pending.discard(dbapi_connection)
+            if not dbapi_connection.autocommit:
+                # the same server transaction as the statement that follows
+                cursor.execute(statement, local_params)
+
+    @sa.event.listens_for(engine, "do_execute", retval=True)
+    def _execute(cursor: Any, statement_: str, parameters: Any, context: ExecutionContext) -> bool:
+        _apply_first(cursor, context)
+        return False
+
+    @sa.event.listens_for(engine, "do_executemany", retval=True)
+    def _executemany(
+        cursor: Any, statement_: str, parameters: Any, context: ExecutionContext
+    ) -> bool:
+        _apply_first(cursor, context)
+        return False
+
+    @sa.event.listens_for(engine, "do_execute_no_params", retval=True)
+    def _execute_no_params(cursor: Any, statement_: str, context: ExecutionContext) -> bool:
+        _apply_first(cursor, context)
+        return False
+
+
+# How many times the pooler probe looks: under load a pooler may happen to serve both
+# connections from separate sessions once; three misses in a row are unlikely.
+PROBE_ROUNDS = 3
+
+
+def transaction_pooled(engine: sa.Engine, rounds: int = PROBE_ROUNDS) -> str | None:
+    """Evidence that `engine` reaches its server through a transaction (or statement)
+    pooler, or None when none was seen.
+
+    `engine` must be in autocommit, so each statement is a transaction of its own. Two
+    client connections, A and B, ask which server process runs their statement: A, then B,
+    then A again. A direct connection, and a session pooler, keep one server session per
+    client connection, so A sees one process twice and B another. A transaction pooler
+    hands a session back after every transaction and lends it to the next client (PgBouncer
+    reuses the most recently freed one), so B sees A's process, or A sees two.
+    """
+    backend = _sql()("session_backend")
+    with engine.connect() as a, engine.connect() as b:
+        for _ in range(rounds):
+            a_first = a.execute(backend).scalar_one()
+            b_pid = b.execute(backend).scalar_one()
+            a_again = a.execute(backend).scalar_one()
+            if a_first != a_again:
+                return f"one connection was served by server processes {a_first} and {a_again}"
+            if b_pid == a_first:
+                return f"two connections were served by one server process ({b_pid})"
+    return None

@@ -1,0 +1,16 @@
+-- Session settings and what a connection can tell about the server session behind it
+-- (enrichq_schema.pooling).
+
+
+-- name: session_apply
+-- Sets each :names[i] to :values[i], for the rest of the session (:local false) or of the
+-- current transaction only (:local true); returns how many were set. One round trip for
+-- all of an engine's settings.
+SELECT count(set_config(s.name, s.value, CAST(:local AS boolean))) AS applied
+FROM unnest(CAST(:names AS text[]), CAST(:values AS text[])) AS s (name, value);
+
+
+-- name: session_backend
+-- The server process serving this statement: under a transaction pooler two statements of
+-- one client connection may get different ones, and two client connections the same one.
+SELECT pg_backend_pid() AS pid;

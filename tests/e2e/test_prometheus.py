@@ -1,0 +1,243 @@
+"""A live Prometheus (Debian's `prometheus`) with deploy/prometheus/prometheus.yml, its
+targets pointed at real `serve`, `worker` and `sweep` processes: every enrichq_* family
+the dashboard and the alert rules use is there after two scrapes, every PromQL expression
+of the dashboard (and of the rules) evaluates without error, and killing the worker makes
+EnrichqWorkerDown pending or firing (a copy of the rules with test-sized `for:`)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import sqlalchemy as sa
+import yaml
+from tests.support.pgbouncer import free_port
+from tests.support.procs import REPO, enrichq_env, spawn, stop, wait_for
+from tests.support.settings import make_settings
+
+from enrichq_service import queue, seed
+from enrichq_service.http import sign
+from enrichq_service.queue import EnqueueRequest
+
+pytestmark = pytest.mark.slow
+
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+DEPLOY = REPO / "deploy"
+CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
+RULES = sorted((DEPLOY / "prometheus" / "rules").glob("*.yml"))
+DASHBOARD = DEPLOY / "grafana" / "dashboards" / "enrichq.json"
+SECRET = "prometheus-e2e-secret"
+SCRAPE = "1s"
+# The test-sized `for:` of every alert in the copy of the rules Prometheus loads.
+FOR = "2s"
+# Grafana's variables, as the dashboard's "All" and a rate window of a few scrapes.
+GRAFANA_VARIABLES = {"$kind": ".*", "$__rate_interval": "15s"}
+METRIC = re.compile(r"\benrichq_[a-z0-9_]+")
+JOBS = ("enrichq-serve", "enrichq-worker", "enrichq-sweep")
+
+
+def require() -> None:
+    if not Path(PROMETHEUS).is_file():
+        pytest.skip("prometheus is not installed (Debian package prometheus; .ci/run installs it)")
+
+
+def alert_rules() -> list[dict[str, Any]]:
+    return [
+        rule
+        for path in RULES
+        for group in yaml.safe_load(path.read_text(encoding="utf-8"))["groups"]
+        for rule in group["rules"]
+        if "alert" in rule
+    ]
+
+
+def dashboard_exprs() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+def with_variables(expr: str) -> str:
+    for name, value in GRAFANA_VARIABLES.items():
+        expr = expr.replace(name, value)
+    return expr
+
+
+def used_metrics() -> set[str]:
+    """Every enrichq_* sample name the dashboard and the alert rules query."""
+    exprs = dashboard_exprs() + [str(rule["expr"]) for rule in alert_rules()]
+    return {name for expr in exprs for name in METRIC.findall(expr)}
+
+
+def write_config(tmp: Path, ports: dict[str, int], prometheus_port: int) -> Path:
+    """The deploy config with its targets on this machine's ports and a short interval;
+    the rules copied beside it with test-sized `for:`."""
+    config = yaml.safe_load(CONFIG.read_text(encoding="utf-8"))
+    config["global"]["scrape_interval"] = SCRAPE
+    config["global"]["evaluation_interval"] = SCRAPE
+    for job in config["scrape_configs"]:
+        name = job["job_name"]
+        port = prometheus_port if name == "prometheus" else ports[name]
+        job.pop("dns_sd_configs", None)
+        labels = {}
+        if job.get("static_configs"):
+            labels = job["static_configs"][0].get("labels", {})
+        job["static_configs"] = [{"targets": [f"127.0.0.1:{port}"], "labels": labels}]
+    rules = tmp / "rules"
+    rules.mkdir()
+    for path in RULES:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+        for group in doc["groups"]:
+            group["interval"] = SCRAPE
+            for rule in group["rules"]:
+                if "for" in rule:
+                    rule["for"] = FOR
+        (rules / path.name).write_text(yaml.safe_dump(doc), encoding="utf-8")
+    out = tmp / "prometheus.yml"
+    out.write_text(yaml.safe_dump(config), encoding="utf-8")
+    return out
+
+
+class Prometheus:
+    """A prometheus process and its HTTP API."""
+
+    def __init__(self, config: Path, data: Path, port: int, log: Path) -> None:
+        self.base = f"http://127.0.0.1:{port}"
+        with log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [
+                    PROMETHEUS,
+                    f"--config.file={config}",
+                    f"--storage.tsdb.path={data}",
+                    f"--web.listen-address=127.0.0.1:{port}",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+
+    def get(self, path: str, **params: Any) -> Any:
+        response = httpx.get(f"{self.base}{path}", params=params, timeout=10)
+        body = response.json()
+        assert body["status"] == "success", (path, params, body)
+        return body["data"]
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        data = self.get("/api/v1/query", query=expr)
+        result: list[dict[str, Any]] = data["result"]
+        return result
+
+    def ready(self) -> bool:
+        try:
+            return httpx.get(f"{self.base}/-/ready", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+
+@pytest.fixture
+def prometheus_dir(tmp_path: Path) -> Path:
+    require()
+    return tmp_path
+
+
+def test_a_live_prometheus_scrapes_every_process_and_sees_the_worker_go_down(
+    db_url: str, db_engine: sa.Engine, prometheus_dir: Path
+) -> None:
+    with db_engine.begin() as conn:
+        seed.seed_world(conn, tickets=30)
+        keys = [r[0] for r in conn.execute(sa.text("SELECT id FROM helpdesk.tickets"))]
+        queue.enqueue(conn, [EnqueueRequest.build(key=k) for k in keys], settings=make_settings())
+    ports = {job: free_port() for job in JOBS}
+    fast = {"lease_seconds": 3, "heartbeat_seconds": 0.5, "poll_seconds": 0.2}
+    serve = spawn(
+        ["serve"],
+        enrichq_env(
+            db_url,
+            **fast,
+            http_host="127.0.0.1",
+            http_port=ports["enrichq-serve"],
+            webhook_secret=SECRET,
+        ),
+        log=prometheus_dir / "serve.log",
+    )
+    worker = spawn(
+        ["worker"],
+        enrichq_env(db_url, **fast, metrics_port=ports["enrichq-worker"]),
+        log=prometheus_dir / "worker.log",
+    )
+    sweep = spawn(
+        ["sweep"],
+        enrichq_env(db_url, sweep_interval_seconds=1, metrics_port=ports["enrichq-sweep"]),
+        log=prometheus_dir / "sweep.log",
+    )
+    prometheus_port = free_port()
+    config = write_config(prometheus_dir, ports, prometheus_port)
+    prom = Prometheus(config, prometheus_dir / "data", prometheus_port, prometheus_dir / "p.log")
+    try:
+        base = f"http://127.0.0.1:{ports['enrichq-serve']}"
+        wait_for(lambda: _ok(f"{base}/readyz"), timeout=60, what="serve ready")
+        body = json.dumps(
+            {"ticket_id": keys[0], "type": "updated", "occurred_at": "2026-01-05T12:00:00Z"}
+        ).encode()
+        stamp = str(int(time.time()))
+        httpx.post(
+            f"{base}/v1/events",
+            content=body,
+            headers={
+                "Content-Type": "application/json",
+                "X-Enrichq-Timestamp": stamp,
+                "X-Enrichq-Signature": sign(SECRET, stamp, body),
+            },
+        ).raise_for_status()
+        wait_for(prom.ready, timeout=60, what="prometheus ready")
+
+        def scraped_twice() -> bool:
+            counts = prom.query('count_over_time(up{job=~"enrichq-.*"}[1m])')
+            ups = prom.query('up{job=~"enrichq-.*"} == 1')
+            jobs = {s["metric"]["job"] for s in counts if float(s["value"][1]) >= 2}
+            return jobs == set(JOBS) and {s["metric"]["job"] for s in ups} == set(JOBS)
+
+        wait_for(scraped_twice, timeout=90, interval=0.5, what="two scrapes of every process")
+
+        present = set(prom.get("/api/v1/label/__name__/values"))
+        used = used_metrics()
+        assert len(used) > 30
+        assert used - present == set()
+        for expr in dashboard_exprs():
+            prom.query(with_variables(expr))  # a bad expression: status "error"
+        for rule in alert_rules():
+            prom.query(str(rule["expr"]))
+        # the worker's own /metrics, labelled as the deploy config labels it
+        assert prom.query('enrichq_build_info{job="enrichq-worker", component="worker"}')
+
+        worker.kill()
+        worker.wait(10)
+
+        def worker_down() -> str | None:
+            for alert in prom.get("/api/v1/alerts")["alerts"]:
+                if alert["labels"]["alertname"] == "EnrichqWorkerDown":
+                    state: str = alert["state"]
+                    if state in ("pending", "firing"):
+                        return state
+            return None
+
+        state = wait_for(worker_down, timeout=60, interval=0.5, what="EnrichqWorkerDown")
+        assert state in ("pending", "firing")
+        (down,) = prom.query('up{job="enrichq-worker"}')
+        assert down["value"][1] == "0"
+    finally:
+        stop(prom.proc)
+        for proc in (serve, worker, sweep):
+            stop(proc)
+
+
+def _ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
