@@ -190,6 +190,22 @@ def validate(result: object) -> Enrichment:
     return Enrichment(checked, job_id=job_id, bytes_billed=billed)
 
 
+def charge_of(result: object) -> tuple[str | None, int]:
+    """The warehouse job id and bytes billed that a result reports, as far as they are
+    valid themselves: a result refused for a bad order still cost what its lookup billed,
+    and that is charged (a job id or byte count that is itself bad counts as none)."""
+    if not isinstance(result, Enrichment):
+        return None, 0
+    try:
+        job_id = _text(result.job_id, "job_id", required=False)
+    except InvalidResult:
+        job_id = None
+    billed = result.bytes_billed
+    if isinstance(billed, bool) or not isinstance(billed, int) or not 0 <= billed <= BYTES_MAX:
+        billed = 0
+    return job_id, billed
+
+
 def _order(order: object, where: str) -> Order:
     if not isinstance(order, Order):
         raise InvalidResult(f"{where}: expected an Order, got {type(order).__name__}")
@@ -311,7 +327,8 @@ def warehouse_lookup_batch(
         ):
             result = conn.execute(stmt, {"emails": emails})
             for r in result:
-                found[str(r.email)].append(Order(r.order_id, r.customer_id, r.placed_at, r.total))
+                order = Order(_id(r.order_id), _id(r.customer_id), r.placed_at, r.total)
+                found.setdefault(str(r.email), []).append(order)
             job_id, billed = _warehouse_job(result)
     shares = split_bytes(billed, len(tickets))
     out: dict[str, Enrichment | BaseException] = {}
@@ -319,6 +336,15 @@ def warehouse_lookup_batch(
         orders = found.get(ticket.requester_email.lower(), []) if ticket.requester_email else []
         out[ticket.id] = Enrichment(tuple(orders), job_id=job_id, bytes_billed=share)
     return out
+
+
+def _id(value: Any) -> Any:
+    """An id as the warehouse gave it, an integer id as its text (warehouses often key
+    orders and customers by INT64). Anything else, NULL included, is left for `validate`
+    to refuse by field: never `str(None)`."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return value
 
 
 def split_bytes(billed: int, tickets: int) -> list[int]:
@@ -344,11 +370,16 @@ def _statement_timeout(conn: sa.Connection, context: EnrichContext) -> Iterator[
 
 
 def _canceller(conn: sa.Connection) -> Callable[[], None]:
-    """Cancels the statement running on `conn`, from another thread (psycopg's cancel)."""
+    """Cancels the statement running on `conn`, from another thread (psycopg's cancel,
+    DuckDB's interrupt)."""
     raw = conn.connection.dbapi_connection
 
     def cancel() -> None:
-        method = getattr(raw, "cancel_safe", None) or getattr(raw, "cancel", None)
+        method = (
+            getattr(raw, "cancel_safe", None)
+            or getattr(raw, "cancel", None)
+            or getattr(raw, "interrupt", None)
+        )
         if method is not None:
             method()
 

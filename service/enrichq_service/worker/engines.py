@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import sqlalchemy as sa
 
-from enrichq_schema.db import create_engine
+from enrichq_schema.db import create_engine, create_warehouse_engine
 from enrichq_service.settings import Settings
 
 
@@ -55,9 +55,7 @@ def build_engines(settings: Settings, url: str) -> WorkerEngines:
         generic_plans=True,
         asynchronous_commit=True,
     )
-    warehouse = create_engine(
-        settings.warehouse_url or url,
-        application_name="enrichq-warehouse",
-        pool_size=settings.concurrency,
+    warehouse = create_warehouse_engine(
+        settings.warehouse_url or url, pool_size=settings.concurrency
     )
     return WorkerEngines(queue, claims, warehouse)
