@@ -326,10 +326,11 @@ def warehouse_lookup_batch(
             context.interruptible(_canceller(conn)),
         ):
             result = conn.execute(stmt, {"emails": emails})
+            # before the rows are read: a result that has returned them all lets its cursor go
+            job_id, billed = _warehouse_job(result)
             for r in result:
                 order = Order(_id(r.order_id), _id(r.customer_id), r.placed_at, r.total)
                 found.setdefault(str(r.email), []).append(order)
-            job_id, billed = _warehouse_job(result)
     shares = split_bytes(billed, len(tickets))
     out: dict[str, Enrichment | BaseException] = {}
     for ticket, share in zip(tickets, shares, strict=True):

@@ -6,6 +6,7 @@ One ``Settings`` object is built in ``main()`` and passed down; nothing here run
 from __future__ import annotations
 
 import functools
+import re
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -49,6 +50,8 @@ EVENT_DEDUPE_HOURS_MAX = 24 * 90
 BUILTIN_BATCH_ENRICHER = "enrichq_service.enrich:warehouse_lookup_batch"
 LOOKUP_BATCH_SIZE_DEFAULT = 50
 BUILTIN_GAVE_UP_HOOK = "enrichq_sweeper.recovery:log_gave_up"
+# one part of a warehouse table's name; every part is quoted by the warehouse's dialect
+WAREHOUSE_NAME_PART = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 
 
 class Mode(StrEnum):
@@ -152,10 +155,11 @@ class Settings(BaseSettings):
         default="helpdesk.tickets", description="The help desk's ticket mirror (schema.table)."
     )
     customers_table: str = Field(
-        default="warehouse.customers", description="Warehouse customers (schema.table)."
+        default="warehouse.customers",
+        description="Warehouse customers ([catalog.]schema.table).",
     )
     orders_table: str = Field(
-        default="warehouse.orders", description="Warehouse orders (schema.table)."
+        default="warehouse.orders", description="Warehouse orders ([catalog.]schema.table)."
     )
     legacy_table: str = Field(
         default="legacy.ticket_orders", description="What the legacy flow wrote."
@@ -290,12 +294,24 @@ class Settings(BaseSettings):
             raise ValueError("expected package.module:function")
         return value
 
-    @field_validator("tickets_table", "customers_table", "orders_table", "legacy_table")
+    @field_validator("tickets_table", "legacy_table")
     @classmethod
     def _qualified_name(cls, value: str) -> str:
         parts = value.split(".")
         if len(parts) != 2 or not all(p.isidentifier() for p in parts):
             raise ValueError("expected schema.table with plain identifiers")
+        return value
+
+    @field_validator("customers_table", "orders_table")
+    @classmethod
+    def _warehouse_table(cls, value: str) -> str:
+        # a warehouse table may name its catalog too: a BigQuery project
+        # (my-project.sales.orders), a DuckDB file's catalog (dw.warehouse.orders)
+        parts = value.split(".")
+        if len(parts) not in (2, 3) or not all(WAREHOUSE_NAME_PART.fullmatch(p) for p in parts):
+            raise ValueError(
+                "expected schema.table or catalog.schema.table (letters, digits, _ and -)"
+            )
         return value
 
     @field_validator("log_level")

@@ -3,11 +3,11 @@
 Jobs arrive in units: one job for a per-ticket enricher, up to ENRICHQ_LOOKUP_BATCH_SIZE
 for a batch enricher, and a unit takes one thread (and one warehouse query, for the
 built-in lookup). ENRICHQ_CONCURRENCY counts units: a worker holds up to that many units'
-worth of jobs. The runner owns the pool and knows how many threads are free; the claim loop claims only as many jobs as can start at once, so no
-job ever waits behind a hung plug-in and loses attempts it never used. A thread whose
-plug-in hangs past the attempt's deadline is abandoned (its job retried) and stays busy
-until the plug-in returns: the pool has a spare thread per slot, and once those are taken
-the worker claims less.
+worth of jobs. The runner owns the pool and knows how many threads are free; the claim
+loop claims only as many jobs as can start at once, so no job ever waits behind a hung
+plug-in and loses attempts it never used. A thread whose plug-in hangs past the attempt's
+deadline is abandoned (its job retried) and stays busy until the plug-in returns: the pool
+has a spare thread per slot, and once those are taken the worker claims less.
 
 For each unit the runner starts the jobs that may still start (one lost or abandoned
 meanwhile never does), checks each (known kind, payload, mirrored ticket), admits the
