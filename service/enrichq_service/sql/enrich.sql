@@ -126,11 +126,18 @@ SELECT pg_advisory_xact_lock(CAST(:lock_space AS int), 0);
 -- none) has no free slot or today's budget (:budget, 0 = none) is spent, counting the bytes
 -- reserved by the lookups in flight. It reserves :expected bytes (NULL: the latest day's
 -- average lookup) until its settle releases them, or until :lease_seconds pass without its
--- owner's heartbeat (a slot whose holder died is free again within one lease). Returns why
--- it was refused ('cap', 'budget' or NULL), the bytes reserved, the database time, and when
--- the budget's day resets.
+-- owner's heartbeat (a slot whose holder died is free again within one lease; its row is
+-- deleted here, so the table holds only the fleet's live lookups). Returns why it was
+-- refused ('cap', 'budget' or NULL), the bytes reserved, the database time, and when the
+-- budget's day resets.
 WITH clock AS (
     SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
+),
+-- the rows of holders that died (every statement here sees the table as it was before)
+purged AS (
+    DELETE FROM enrichq.lookups_in_flight AS f
+    USING clock
+    WHERE f.expires_at <= clock.now
 ),
 ledger AS (
     SELECT coalesce((SELECT b.bytes_billed FROM enrichq.budget_ledger AS b
