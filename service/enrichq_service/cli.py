@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ class Context:
     def settings(self) -> Settings:
         if self._settings is None:
             from enrichq_schema.text import EscapingFormatter
-            from enrichq_service.settings import Settings
+            from enrichq_service.settings import Settings, unknown_variables
 
             self._settings = Settings.load(self.config_file)
             # every record one line, arguments escaped: keys stored before ingest refused
@@ -47,6 +48,8 @@ class Context:
             # Alembic narrates every migration step at INFO; operators want the outcome.
             logging.getLogger("alembic").setLevel(logging.WARNING)
             logging.getLogger("httpx").setLevel(logging.WARNING)
+            for line in unknown_variables(os.environ):
+                logging.getLogger("enrichq_service.settings").warning("%s", line)
         return self._settings
 
     @contextlib.contextmanager

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -19,6 +20,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from enrichq_schema.text import printable
 from enrichq_service.errors import SettingsError
 
 if TYPE_CHECKING:
@@ -368,6 +370,35 @@ class Settings(BaseSettings):
             else:
                 out[name] = value.value if isinstance(value, StrEnum) else value
         return out
+
+
+ENV_PREFIX = "ENRICHQ_"
+# ENRICHQ_ variables that enrichq reads that are not settings: the CLI's --config and the
+# embedded PostgreSQL's data directory
+OTHER_VARIABLES = frozenset({"ENRICHQ_CONFIG", "ENRICHQ_EMBEDDED_DIR"})
+# the test suite's own variables (tests/), never enrichq's settings
+TEST_SUITE_PREFIXES = ("ENRICHQ_TEST_", "ENRICHQ_CHAOS_")
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """One line for each ENRICHQ_ variable in `environ` that enrichq does not read (a
+    misspelt setting is otherwise silently ignored), naming the closest setting."""
+    import difflib
+
+    known = {f"{ENV_PREFIX}{name.upper()}" for name in Settings.model_fields}
+    lines = []
+    for name in sorted(environ):
+        upper = name.upper()  # settings are read whatever the case of their names
+        if not upper.startswith(ENV_PREFIX) or upper in known or upper in OTHER_VARIABLES:
+            continue
+        if upper.startswith(TEST_SUITE_PREFIXES):
+            continue
+        line = f"{printable(name)} is not an enrichq setting: ignored"
+        close = difflib.get_close_matches(upper, sorted(known), n=1, cutoff=0.75)
+        if close:
+            line += f" (did you mean {close[0]}?)"
+        lines.append(line)
+    return lines
 
 
 def _check_toml(path: Path) -> None:

@@ -201,3 +201,27 @@ def test_the_built_in_batch_lookup_is_the_default_enricher() -> None:
     )
     single = choose(Settings.load(enricher="enrichq_service.enrich:warehouse_lookup"))
     assert (single.per_ticket, single.batch, single.unit_size) == (warehouse_lookup, None, 1)
+
+
+def test_unknown_variables_are_named_with_the_closest_setting() -> None:
+    from enrichq_service.settings import unknown_variables
+
+    environ = {
+        "ENRICHQ_LEESE_SECONDS": "10",  # a typo
+        "ENRICHQ_WAREHOUSE_MAX_CONCURENCY": "4",  # another
+        "ENRICHQ_NO_SUCH_THING": "1",  # nothing close
+        "enrichq_concurency": "2",  # read whatever its case, so warned whatever its case
+        "ENRICHQ_LEASE_SECONDS": "10",  # settings, and what enrichq reads besides them
+        "ENRICHQ_CONFIG": "/etc/enrichq.toml",
+        "ENRICHQ_EMBEDDED_DIR": "/tmp/pg",
+        "ENRICHQ_TEST_DATABASE_URL": "postgresql://localhost/x",  # the test suite's
+        "PATH": "/usr/bin",
+    }
+    assert unknown_variables(environ) == [
+        "ENRICHQ_LEESE_SECONDS is not an enrichq setting: ignored"
+        " (did you mean ENRICHQ_LEASE_SECONDS?)",
+        "ENRICHQ_NO_SUCH_THING is not an enrichq setting: ignored",
+        "ENRICHQ_WAREHOUSE_MAX_CONCURENCY is not an enrichq setting: ignored"
+        " (did you mean ENRICHQ_WAREHOUSE_MAX_CONCURRENCY?)",
+        "enrichq_concurency is not an enrichq setting: ignored (did you mean ENRICHQ_CONCURRENCY?)",
+    ]
