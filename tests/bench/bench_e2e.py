@@ -13,9 +13,11 @@ taken from the database's own run log (first worker start to last worker finish)
 process start-up is excluded. Issue 16's target: one worker with the no-op batch enricher
 at ≥ 0.5x the queue's own claim → complete rate at batch 50.
 
-With --profile DIR, the one-worker no-op batch run is recorded by py-spy (`.[bench]`
-installs it; it needs ptrace rights, as root or with CAP_SYS_PTRACE): DIR/noop-batch.txt
-holds the collapsed stacks and the table after the figures lists where the time went.
+With --profile DIR, the one-worker no-op batch run is recorded by py-spy with --idle
+(`.[bench]` installs it; it needs ptrace rights, as root or with CAP_SYS_PTRACE):
+DIR/noop-batch.txt holds the collapsed stacks, and tables after the figures show each
+thread's wall time (waiting for work, for the database, running Python) and where the
+claim loop and the settler were busy.
 """
 
 from __future__ import annotations
@@ -85,7 +87,8 @@ def drain(
         if profile is not None:
             spy = subprocess.Popen(
                 [
-                    *(py_spy(), "record", "--pid", str(procs[0].pid), "--threads"),
+                    *(py_spy(), "record", "--pid", str(procs[0].pid), "--threads", "--idle"),
+                    "--full-filenames",
                     *("--rate", str(PROFILE_RATE), "--format", "raw", "--nonblocking"),
                     *("--output", str(profile)),
                 ],
@@ -196,37 +199,65 @@ def py_spy() -> str:
     return str(beside) if beside.exists() else shutil.which("py-spy") or "py-spy"
 
 
-def print_profile(path: Path, top: int = 30) -> None:
-    """Where the profiled worker's threads were busy (py-spy's collapsed stacks hold only
-    samples of threads that were running, not waiting): CPU-seconds by thread, and by
-    function, inclusive and own."""
-    inclusive: Counter[str] = Counter()
-    own: Counter[str] = Counter()
-    by_thread: Counter[str] = Counter()
-    total = 0
+# what a thread does when a sample ends in one of these: wait for work to arrive
+IDLE_LEAVES = ("Condition.wait", "Event.wait", "Queue.get", "_worker", "_wait_for_tstate_lock")
+ROLES = {
+    "MainThread": "claim loop",
+    "enrichq-settler": "settler",
+    "enrichq-job": "runner (enrichment units)",
+    "enrichq-heartbeat": "heartbeat",
+    "enrichq-listener": "listener (LISTEN)",
+}
+
+
+def print_profile(path: Path, top: int = 8) -> None:
+    """Where the profiled worker's wall time went, thread by thread (py-spy --idle: every
+    sample, running or waiting): waiting for work, waiting for the database, running
+    Python; then, for the claim loop and the settler, the enrichq function each busy
+    sample was in. Samples of the process's start-up (before the worker runs) are left out.
+    """
+    kinds: dict[str, Counter[str]] = {}
+    inside: dict[str, Counter[str]] = {}
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         frames = stack.split(";")
         if len(frames) < 2 or not count.isdigit():
             continue
         n = int(count)
-        total += n
-        by_thread[_thread(frames[0])] += n
-        for name in {_frame(f) for f in frames[1:]}:
-            inclusive[name] += n
-        own[_frame(frames[-1])] += n
-    if not total:
+        role = ROLES.get(_thread(frames[0]), "other")
+        names = [f.partition(" (")[0] for f in frames[1:]]
+        if role == "claim loop" and "Worker.run" not in names:
+            continue  # start-up: imports, settings, engines
+        if role == "listener (LISTEN)" or names[-1] in IDLE_LEAVES:
+            kind = "waiting for work"
+        elif "Connection.wait" in names:
+            kind = "waiting for the database"
+        else:
+            kind = "running Python"
+        kinds.setdefault(role, Counter())[kind] += n
+        ours = [_frame(f) for f in frames[1:] if "/enrichq_" in f]
+        if kind != "waiting for work" and ours:
+            inside.setdefault(role, Counter())[ours[-1]] += n
+    if not kinds:
         return
+    columns = ("waiting for work", "waiting for the database", "running Python")
     print_table(
-        f"py-spy: busy samples by thread ({total:,} samples at {PROFILE_RATE} Hz)",
-        ["thread", "CPU s", "share"],
-        [[t, n / PROFILE_RATE, n / total] for t, n in by_thread.most_common()],
+        f"py-spy --idle: each thread's wall time in the one-worker no-op batch run ({PROFILE_RATE} Hz)",
+        ["thread", "seconds", *columns],
+        [
+            [role, sum(c.values()) / PROFILE_RATE, *(c[k] / sum(c.values()) for k in columns)]
+            for role, c in sorted(kinds.items(), key=lambda kv: -sum(kv[1].values()))
+        ],
     )
-    print_table(
-        "py-spy: share of busy samples in each function (inclusive) and ending there (own)",
-        ["function", "inclusive", "own"],
-        [[f, n / total, own[f] / total] for f, n in inclusive.most_common(top)],
-    )
+    for role in ("settler", "claim loop"):
+        busy = inside.get(role)
+        if busy:
+            total = sum(kinds[role].values())
+            print_table(
+                f"py-spy: where the {role} was busy (share of its wall time)",
+                ["innermost enrichq function", "share"],
+                [[f, n / total] for f, n in busy.most_common(top)],
+            )
 
 
 def _frame(frame: str) -> str:
