@@ -146,10 +146,16 @@ ledger AS (
             WHERE b.lookups > 0 ORDER BY b.day DESC LIMIT 1) AS average
     FROM clock
 ),
+-- the live lookups; one admitted before any cost was known (reserved 0, not learned yet)
+-- counts as the average now that one is: else a worker's next lookup of known cost would
+-- pass beside lookups of unknown cost of its own and of others, and overspend more
 live AS (
-    SELECT count(*) AS slots, coalesce(sum(f.reserved_bytes), 0) AS reserved
+    SELECT count(*) AS slots,
+           coalesce(sum(CASE WHEN f.reserved_bytes > 0 THEN f.reserved_bytes
+                             ELSE coalesce(ledger.average, 0) END), 0) AS reserved
     FROM enrichq.lookups_in_flight AS f
     CROSS JOIN clock
+    CROSS JOIN ledger
     WHERE f.expires_at > clock.now
 ),
 verdict AS (
