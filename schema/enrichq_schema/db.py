@@ -7,10 +7,11 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, ExecutionContext, make_url
+from sqlalchemy.engine.default import DefaultDialect
 
 from enrichq_schema.pooling import PoolMode, install, network_params
 from enrichq_schema.queries import PREPARED_OPTION
@@ -120,6 +121,34 @@ def create_engine(
     if not transaction:
         sa.event.listen(engine, "do_execute", _execute_prepared, retval=True)
     return engine
+
+
+def create_warehouse_engine(
+    url: str | URL,
+    *,
+    application_name: str = "enrichq-warehouse",
+    pool_size: int = 5,
+    **postgres_options: Any,
+) -> sa.Engine:
+    """An engine for the warehouse, of any SQLAlchemy dialect.
+
+    A PostgreSQL warehouse gets what `create_engine` gives every enrichq engine, with
+    `postgres_options` (the pool mode's and the network timeouts', say). Any other
+    dialect (DuckDB through duckdb-engine, BigQuery through sqlalchemy-bigquery) gets its
+    driver's own connection arguments, a checked pool of `pool_size` (where the dialect
+    pools at all) and nothing PostgreSQL-specific: its URL's query carries its options
+    (`duckdb:///w.duckdb?access_mode=read_only`).
+    """
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "postgresql":
+        return create_engine(
+            parsed, application_name=application_name, pool_size=pool_size, **postgres_options
+        )
+    dialect = cast("type[DefaultDialect]", parsed.get_dialect())
+    kwargs: dict[str, Any] = {"pool_pre_ping": True}
+    if issubclass(dialect.get_pool_class(parsed), sa.pool.QueuePool):
+        kwargs.update(pool_size=pool_size, max_overflow=pool_size, pool_recycle=1800)
+    return sa.create_engine(parsed, **kwargs)
 
 
 def _execute_prepared(

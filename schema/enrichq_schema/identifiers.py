@@ -26,6 +26,16 @@ def qualified(dialect: sa.Dialect, name: str) -> str:
     return dialect.identifier_preparer.format_table(sa.table(table, schema=schema))
 
 
+def qualified_parts(dialect: sa.Dialect, name: str) -> str:
+    """A warehouse table's name of one to three parts (``table``, ``schema.table``,
+    ``catalog.schema.table``: a BigQuery ``project.dataset.table``, say) quoted part by
+    part by the dialect. Settings has checked each part (WAREHOUSE_NAME_PART)."""
+    parts = name.split(".")
+    if not 1 <= len(parts) <= 3 or not all(parts):
+        raise ValueError(f"{name!r}: expected one to three dot-separated parts")
+    return ".".join(dialect.identifier_preparer.quote(part) for part in parts)
+
+
 def render(query: Query, **relations: str) -> sa.TextClause:
     """The query with every ``{name}`` replaced by the given relation SQL (already quoted)."""
     return _render(query.sql, tuple(sorted(relations.items())))

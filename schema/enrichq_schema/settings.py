@@ -6,6 +6,8 @@ One ``Settings`` object is built in ``main()`` and passed down; nothing here run
 from __future__ import annotations
 
 import functools
+import re
+from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -20,7 +22,7 @@ from pydantic_settings import (
 
 from enrichq_schema.errors import SettingsError
 from enrichq_schema.states import PoolMode
-from enrichq_schema.text import validation_problem
+from enrichq_schema.text import printable, validation_problem
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import URL
@@ -53,6 +55,8 @@ LOOKUP_BATCH_SIZE_DEFAULT = 50
 BUILTIN_GAVE_UP_HOOK = "enrichq_sweeper.recovery:log_gave_up"
 NETWORK_TIMEOUT_SECONDS_DEFAULT = 10
 NETWORK_TIMEOUT_SECONDS_MAX = 600
+# one part of a warehouse table's name; every part is quoted by the warehouse's dialect
+WAREHOUSE_NAME_PART = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 
 
 class Mode(StrEnum):
@@ -173,10 +177,11 @@ class Settings(BaseSettings):
         default="helpdesk.tickets", description="The help desk's ticket mirror (schema.table)."
     )
     customers_table: str = Field(
-        default="warehouse.customers", description="Warehouse customers (schema.table)."
+        default="warehouse.customers",
+        description="Warehouse customers ([catalog.]schema.table).",
     )
     orders_table: str = Field(
-        default="warehouse.orders", description="Warehouse orders (schema.table)."
+        default="warehouse.orders", description="Warehouse orders ([catalog.]schema.table)."
     )
     legacy_table: str = Field(
         default="legacy.ticket_orders", description="What the legacy flow wrote."
@@ -311,12 +316,24 @@ class Settings(BaseSettings):
             raise ValueError("expected package.module:function")
         return value
 
-    @field_validator("tickets_table", "customers_table", "orders_table", "legacy_table")
+    @field_validator("tickets_table", "legacy_table")
     @classmethod
     def _qualified_name(cls, value: str) -> str:
         parts = value.split(".")
         if len(parts) != 2 or not all(p.isidentifier() for p in parts):
             raise ValueError("expected schema.table with plain identifiers")
+        return value
+
+    @field_validator("customers_table", "orders_table")
+    @classmethod
+    def _warehouse_table(cls, value: str) -> str:
+        # a warehouse table may name its catalog too: a BigQuery project
+        # (my-project.sales.orders), a DuckDB file's catalog (dw.warehouse.orders)
+        parts = value.split(".")
+        if len(parts) not in (2, 3) or not all(WAREHOUSE_NAME_PART.fullmatch(p) for p in parts):
+            raise ValueError(
+                "expected schema.table or catalog.schema.table (letters, digits, _ and -)"
+            )
         return value
 
     @field_validator("log_level")
@@ -373,6 +390,35 @@ class Settings(BaseSettings):
             else:
                 out[name] = value.value if isinstance(value, StrEnum) else value
         return out
+
+
+ENV_PREFIX = "ENRICHQ_"
+# ENRICHQ_ variables that enrichq reads that are not settings: the CLI's --config and the
+# embedded PostgreSQL's data directory
+OTHER_VARIABLES = frozenset({"ENRICHQ_CONFIG", "ENRICHQ_EMBEDDED_DIR"})
+# the test suite's own variables (tests/), never enrichq's settings
+TEST_SUITE_PREFIXES = ("ENRICHQ_TEST_", "ENRICHQ_CHAOS_")
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """One line for each ENRICHQ_ variable in `environ` that enrichq does not read (a
+    misspelt setting is otherwise silently ignored), naming the closest setting."""
+    import difflib
+
+    known = {f"{ENV_PREFIX}{name.upper()}" for name in Settings.model_fields}
+    lines = []
+    for name in sorted(environ):
+        upper = name.upper()  # settings are read whatever the case of their names
+        if not upper.startswith(ENV_PREFIX) or upper in known or upper in OTHER_VARIABLES:
+            continue
+        if upper.startswith(TEST_SUITE_PREFIXES):
+            continue
+        line = f"{printable(name)} is not an enrichq setting: ignored"
+        close = difflib.get_close_matches(upper, sorted(known), n=1, cutoff=0.75)
+        if close:
+            line += f" (did you mean {close[0]}?)"
+        lines.append(line)
+    return lines
 
 
 def _check_toml(path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ class Context:
     @property
     def settings(self) -> Settings:
         if self._settings is None:
-            from enrichq_schema.settings import Settings
+            from enrichq_schema.settings import Settings, unknown_variables
             from enrichq_schema.text import EscapingFormatter
 
             self._settings = Settings.load(self.config_file)
@@ -45,6 +46,8 @@ class Context:
             # Alembic narrates every migration step at INFO; operators want the outcome.
             logging.getLogger("alembic").setLevel(logging.WARNING)
             logging.getLogger("httpx").setLevel(logging.WARNING)
+            for line in unknown_variables(os.environ):
+                logging.getLogger("enrichq_schema.settings").warning("%s", line)
         return self._settings
 
     @contextlib.contextmanager

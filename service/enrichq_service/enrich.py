@@ -35,7 +35,7 @@ from uuid import UUID
 import sqlalchemy as sa
 
 from enrichq_schema.errors import SettingsError
-from enrichq_schema.identifiers import qualified, render
+from enrichq_schema.identifiers import qualified, qualified_parts, render
 from enrichq_schema.process import PluginError, load_callable
 from enrichq_schema.queries import load
 from enrichq_schema.settings import BUILTIN_BATCH_ENRICHER, Settings
@@ -188,6 +188,22 @@ def validate(result: object) -> Enrichment:
     return Enrichment(checked, job_id=job_id, bytes_billed=billed)
 
 
+def charge_of(result: object) -> tuple[str | None, int]:
+    """The warehouse job id and bytes billed that a result reports, as far as they are
+    valid themselves: a result refused for a bad order still cost what its lookup billed,
+    and that is charged (a job id or byte count that is itself bad counts as none)."""
+    if not isinstance(result, Enrichment):
+        return None, 0
+    try:
+        job_id = _text(result.job_id, "job_id", required=False)
+    except InvalidResult:
+        job_id = None
+    billed = result.bytes_billed
+    if isinstance(billed, bool) or not isinstance(billed, int) or not 0 <= billed <= BYTES_MAX:
+        billed = 0
+    return job_id, billed
+
+
 def _order(order: object, where: str) -> Order:
     if not isinstance(order, Order):
         raise InvalidResult(f"{where}: expected an Order, got {type(order).__name__}")
@@ -292,8 +308,8 @@ def warehouse_lookup_batch(
         stmt = _statement(
             "enrich_warehouse_orders_batch",
             ("emails",),
-            customers=qualified(dialect, settings.customers_table),
-            orders=qualified(dialect, settings.orders_table),
+            customers=qualified_parts(dialect, settings.customers_table),
+            orders=qualified_parts(dialect, settings.orders_table),
         )
         with (
             context.warehouse.connect() as conn,
@@ -302,15 +318,26 @@ def warehouse_lookup_batch(
             context.interruptible(_canceller(conn)),
         ):
             result = conn.execute(stmt, {"emails": emails})
-            for r in result:
-                found[str(r.email)].append(Order(r.order_id, r.customer_id, r.placed_at, r.total))
+            # before the rows are read: a result that has returned them all lets its cursor go
             job_id, billed = _warehouse_job(result)
+            for r in result:
+                order = Order(_id(r.order_id), _id(r.customer_id), r.placed_at, r.total)
+                found.setdefault(str(r.email), []).append(order)
     shares = split_bytes(billed, len(tickets))
     out: dict[str, Enrichment | BaseException] = {}
     for ticket, share in zip(tickets, shares, strict=True):
         orders = found.get(ticket.requester_email.lower(), []) if ticket.requester_email else []
         out[ticket.id] = Enrichment(tuple(orders), job_id=job_id, bytes_billed=share)
     return out
+
+
+def _id(value: Any) -> Any:
+    """An id as the warehouse gave it, an integer id as its text (warehouses often key
+    orders and customers by INT64). Anything else, NULL included, is left for `validate`
+    to refuse by field: never `str(None)`."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return value
 
 
 def split_bytes(billed: int, tickets: int) -> list[int]:
@@ -336,7 +363,8 @@ def _statement_timeout(conn: sa.Connection, context: EnrichContext) -> Iterator[
 
 
 def _canceller(conn: sa.Connection) -> Callable[[], None]:
-    """Cancels the statement running on `conn`, from another thread (psycopg's cancel).
+    """Cancels the statement running on `conn`, from another thread (psycopg's cancel,
+    DuckDB's interrupt).
 
     The cancel request goes over a new connection, which a dead network would hold up:
     it is sent from a thread of its own, so whoever cancels (the heartbeat's watch, the
@@ -344,7 +372,11 @@ def _canceller(conn: sa.Connection) -> Callable[[], None]:
     raw = conn.connection.dbapi_connection
 
     def cancel() -> None:
-        method = getattr(raw, "cancel_safe", None) or getattr(raw, "cancel", None)
+        method = (
+            getattr(raw, "cancel_safe", None)
+            or getattr(raw, "cancel", None)
+            or getattr(raw, "interrupt", None)
+        )
         if method is not None:
             threading.Thread(
                 target=_best_effort, args=(method,), name="enrichq-cancel", daemon=True

@@ -41,6 +41,22 @@ def create_external_tables(conn: sa.Connection) -> None:
             conn.execute(SQL(name))
 
 
+def copy_warehouse(source: sa.Connection, target: sa.Connection) -> int:
+    """Create the warehouse tables in `target`, of any dialect the seed's SQL runs on
+    (PostgreSQL, DuckDB), and fill them with exactly the rows of `source`'s; rows copied."""
+    target.execute(SQL("seed_create_warehouse"))
+    copied = 0
+    for select, insert in (
+        ("seed_select_customers", "seed_insert_customers"),
+        ("seed_select_orders", "seed_insert_orders"),
+    ):
+        rows = [dict(r._mapping) for r in source.execute(SQL(select))]
+        if rows:
+            target.execute(SQL(insert), rows)
+        copied += len(rows)
+    return copied
+
+
 def seed_world(
     conn: sa.Connection,
     *,

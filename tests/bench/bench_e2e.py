@@ -1,20 +1,35 @@
 """End to end: tickets/s through the worker, and events/s accepted by serve, side by side.
 
-    python -m tests.bench.bench_e2e [--tickets N] [--seconds S]
+    python -m tests.bench.bench_e2e [--tickets N] [--seconds S] [--profile DIR]
 
 In one run, on scratch databases of the benchmark server (ENRICHQ_TEST_DATABASE_URL or
-the local default): `enrichq worker --drain` processes with 1 and 2 workers, once with a
-no-op enricher (the queue and runtime alone) and once with the built-in warehouse lookup
-against a seeded warehouse in the same PostgreSQL; then `enrichq serve` accepting signed
-webhook events (single and batches of 100). Throughput is taken from the database's own
-run log (first worker start to last worker finish), so process start-up is excluded.
+the local default): first the queue alone, claim → complete of no-op jobs at batch 50 in
+one process (bench_queue's loop: the reference); then `enrichq worker --drain` processes
+with 1 and 2 workers, with a no-op enricher per ticket (concurrency 16), a no-op batch
+enricher (batches of 50, the default concurrency of 8), and the built-in warehouse lookup
+(batch and per ticket) against a seeded warehouse in the same PostgreSQL; then `enrichq
+serve` accepting signed webhook events (single and batches of 100). Worker throughput is
+taken from the database's own run log (first worker start to last worker finish), so
+process start-up is excluded. Issue 16's target: one worker with the no-op batch enricher
+at ≥ 0.5x the queue's own claim → complete rate at batch 50.
+
+With --profile DIR, the one-worker no-op batch run is recorded by py-spy with --idle
+(`.[bench]` installs it; it needs ptrace rights, as root or with CAP_SYS_PTRACE):
+DIR/noop-batch.txt holds the collapsed stacks, and tables after the figures show each
+thread's wall time (waiting for work, for the database, running Python) and where the
+claim loop and the settler were busy.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import shutil
 import socket
+import subprocess
+import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -24,12 +39,31 @@ from enrichq_schema.db import create_engine
 from enrichq_service import queue, seed
 from enrichq_service.queue import EnqueueRequest
 from tests.bench.bench_http import SECRET, run_mode
+from tests.bench.bench_queue import drain as bench_queue_drain
+from tests.bench.bench_queue import enrichq_worker, fill_enrichq
 from tests.bench.common import print_table, scratch_database
 from tests.support.procs import enrichq_env, spawn, stop, wait_for
 from tests.support.settings import make_settings
 
+Form = dict[str, object]  # the ENRICHQ_ settings of one kind of run
+NOOP: Form = {"enricher": "tests.support.enrichers:noop", "concurrency": 16}
+NOOP_BATCH: Form = {"batch_enricher": "tests.support.enrichers:noop_batch"}
+LOOKUP_BATCH: Form = {}  # the default: the built-in batch lookup
+LOOKUP_SINGLE: Form = {"enricher": "enrichq_service.enrich:warehouse_lookup", "concurrency": 16}
+PROFILE_RATE = 250  # py-spy samples per second
+QUEUE_BATCH = 50
+TARGET_NOOP_RATIO = 0.5
 
-def drain(url: str, tickets: int, workers: int, enricher: str, logs: Path) -> float:
+
+def drain(
+    url: str,
+    tickets: int,
+    workers: int,
+    settings: dict[str, object],
+    logs: Path,
+    *,
+    profile: Path | None = None,
+) -> float:
     """Tickets/s of `workers` draining processes over a freshly seeded, enqueued world."""
     engine = create_engine(url)
     try:
@@ -47,10 +81,24 @@ def drain(url: str, tickets: int, workers: int, enricher: str, logs: Path) -> fl
                 settings=make_settings(url),
             )
             conn.execute(sa.text("ANALYZE enrichq.queue"))
-        env = enrichq_env(url, enricher=enricher, concurrency=16)
+        env = enrichq_env(url, **settings)
         procs = [spawn(["worker", "--drain"], env, log=logs / f"w{i}.log") for i in range(workers)]
+        spy = None
+        if profile is not None:
+            spy = subprocess.Popen(
+                [
+                    *(py_spy(), "record", "--pid", str(procs[0].pid), "--threads", "--idle"),
+                    "--full-filenames",
+                    *("--rate", str(PROFILE_RATE), "--format", "raw", "--nonblocking"),
+                    *("--output", str(profile)),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         for p in procs:
             p.wait(600)
+        if spy is not None:
+            spy.wait(60)
         with engine.connect() as conn:
             done, seconds = conn.execute(
                 sa.text(
@@ -66,11 +114,21 @@ def drain(url: str, tickets: int, workers: int, enricher: str, logs: Path) -> fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tickets", type=int, default=5000)
+    parser.add_argument("--tickets", type=int, default=20_000)
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--profile", type=Path, default=None, help="py-spy output folder")
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="enrichq-bench-e2e-"))
     rows: list[list[object]] = []
+    with scratch_database("e2e-queue") as queue_url:
+        fill_enrichq(queue_url, max(args.tickets, 20_000))
+        alone = bench_queue_drain("enrichq", enrichq_worker, queue_url, QUEUE_BATCH, 1)
+    reference = alone.rate
+    rows.append(["queue alone: claim → complete, batch 50, x1", "jobs/s", reference, 1.0])
+    profile = None
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
+        profile = args.profile / "noop-batch.txt"
     with scratch_database("e2e") as url:
         engine = create_engine(url)
         with engine.begin() as conn:
@@ -79,14 +137,20 @@ def main() -> None:
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             conn.execute(sa.text("ANALYZE"))
         engine.dispose()
+        noop_batch_x1 = 0.0
         for workers in (1, 2):
-            noop = drain(url, args.tickets, workers, "tests.support.enrichers:noop", logs)
-            real = drain(
-                url, args.tickets, workers, "enrichq_service.enrich:warehouse_lookup", logs
+            runs = (
+                ("no-op enricher per ticket (concurrency 16)", NOOP),
+                ("no-op batch enricher (batch 50)", NOOP_BATCH),
+                ("built-in lookup, batch 50", LOOKUP_BATCH),
+                ("built-in lookup per ticket (concurrency 16)", LOOKUP_SINGLE),
             )
-            rows.append([f"worker x{workers}: no-op enricher", "tickets/s", noop, 1.0])
-            rows.append([f"worker x{workers}: built-in lookup", "tickets/s", real, real / noop])
-        reference = float(rows[0][2])  # type: ignore[arg-type]  # the figures column is numeric
+            for label, settings in runs:
+                spied = profile if (workers, settings) == (1, NOOP_BATCH) else None
+                rate = drain(url, args.tickets, workers, settings, logs, profile=spied)
+                if (workers, settings) == (1, NOOP_BATCH):
+                    noop_batch_x1 = rate
+                rows.append([f"worker x{workers}: {label}", "tickets/s", rate, rate / reference])
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -114,12 +178,98 @@ def main() -> None:
                 )
         finally:
             stop(serve)
+    ratio = noop_batch_x1 / reference
+    verdict = "met" if ratio >= TARGET_NOOP_RATIO else "NOT met"
     print_table(
-        f"enrichq end to end ({args.tickets:,} tickets, concurrency 16 per worker)",
-        ["what", "unit", "rate", "÷ worker x1 no-op"],
+        f"enrichq end to end ({args.tickets:,} tickets)",
+        ["what", "unit", "rate", "÷ queue alone"],
         rows,
-        note=f"logs: {logs}",
+        note=(
+            f"target: worker x1 no-op batch ≥ {TARGET_NOOP_RATIO}x the queue alone: "
+            f"{ratio:.2f}x, {verdict}. logs: {logs}"
+        ),
     )
+    if profile is not None and profile.exists():
+        print_profile(profile)
+
+
+def py_spy() -> str:
+    """py-spy beside this Python (the venv's bin), else on PATH."""
+    beside = Path(sys.executable).with_name("py-spy")
+    return str(beside) if beside.exists() else shutil.which("py-spy") or "py-spy"
+
+
+# what a thread does when a sample ends in one of these: wait for work to arrive
+IDLE_LEAVES = ("Condition.wait", "Event.wait", "Queue.get", "_worker", "_wait_for_tstate_lock")
+ROLES = {
+    "MainThread": "claim loop",
+    "enrichq-settler": "settler",
+    "enrichq-job": "runner (enrichment units)",
+    "enrichq-heartbeat": "heartbeat",
+    "enrichq-listener": "listener (LISTEN)",
+}
+
+
+def print_profile(path: Path, top: int = 8) -> None:
+    """Where the profiled worker's wall time went, thread by thread (py-spy --idle: every
+    sample, running or waiting): waiting for work, waiting for the database, running
+    Python; then, for the claim loop and the settler, the enrichq function each busy
+    sample was in. Samples of the process's start-up (before the worker runs) are left out.
+    """
+    kinds: dict[str, Counter[str]] = {}
+    inside: dict[str, Counter[str]] = {}
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        if len(frames) < 2 or not count.isdigit():
+            continue
+        n = int(count)
+        role = ROLES.get(_thread(frames[0]), "other")
+        names = [f.partition(" (")[0] for f in frames[1:]]
+        if role == "claim loop" and "Worker.run" not in names:
+            continue  # start-up: imports, settings, engines
+        if role == "listener (LISTEN)" or names[-1] in IDLE_LEAVES:
+            kind = "waiting for work"
+        elif "Connection.wait" in names:
+            kind = "waiting for the database"
+        else:
+            kind = "running Python"
+        kinds.setdefault(role, Counter())[kind] += n
+        ours = [_frame(f) for f in frames[1:] if "/enrichq_" in f]
+        if kind != "waiting for work" and ours:
+            inside.setdefault(role, Counter())[ours[-1]] += n
+    if not kinds:
+        return
+    columns = ("waiting for work", "waiting for the database", "running Python")
+    print_table(
+        f"py-spy --idle: each thread's wall time in the one-worker no-op batch run ({PROFILE_RATE} Hz)",
+        ["thread", "seconds", *columns],
+        [
+            [role, sum(c.values()) / PROFILE_RATE, *(c[k] / sum(c.values()) for k in columns)]
+            for role, c in sorted(kinds.items(), key=lambda kv: -sum(kv[1].values()))
+        ],
+    )
+    for role in ("settler", "claim loop"):
+        busy = inside.get(role)
+        if busy:
+            total = sum(kinds[role].values())
+            print_table(
+                f"py-spy: where the {role} was busy (share of its wall time)",
+                ["innermost enrichq function", "share"],
+                [[f, n / total] for f, n in busy.most_common(top)],
+            )
+
+
+def _frame(frame: str) -> str:
+    """`function (path/to/file.py:line)` as `function (file.py)`."""
+    name, _, where = frame.partition(" (")
+    return f"{name} ({where.rsplit('/', 1)[-1].split(':', 1)[0]})"
+
+
+def _thread(frame: str) -> str:
+    """The thread's name from py-spy's `thread (TID): NAME` root frame; pool threads as one."""
+    name = frame.partition("): ")[2] or frame
+    return re.sub(r"_\d+$", "", name)
 
 
 def _ready(base: str) -> bool:

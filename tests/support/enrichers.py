@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 import zlib
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 
 from enrichq_service.enrich import EnrichContext, Enrichment, Order, Ticket, warehouse_lookup
@@ -205,3 +206,54 @@ def bad_data(ticket: Ticket, context: EnrichContext) -> Enrichment:
     if fate == "good":
         return warehouse_lookup(ticket, context)
     return bad_enrichment(fate)
+
+
+# -- batch enrichers
+
+
+def noop_batch(tickets: Sequence[Ticket], context: EnrichContext) -> Mapping[str, Enrichment]:
+    """No lookup at all, a batch at a time: what the queue and worker runtime cost."""
+    empty = Enrichment(())
+    return {t.id: empty for t in tickets}
+
+
+def batch_outcomes(
+    tickets: Sequence[Ticket], context: EnrichContext
+) -> Mapping[str, Enrichment | BaseException]:
+    """Each ticket's outcome by the prefix of its id: "perm-" a PermanentError, "defer-" a
+    Deferral of an hour, "trans-" a TransientError, "odd-" a ValueError, "gone-" left out of
+    the mapping, "bad-" an invalid result (a NUL in its order id); any other ticket one
+    order named after it. The call itself raises for a batch holding a "boom-" ticket."""
+    if any(t.id.startswith("boom-") for t in tickets):
+        raise ConnectionError("warehouse connection reset")
+    out: dict[str, Enrichment | BaseException] = {}
+    for t in tickets:
+        if t.id.startswith("perm-"):
+            out[t.id] = PermanentError(f"ticket {t.id} cannot be looked up")
+        elif t.id.startswith("defer-"):
+            out[t.id] = Deferral(datetime.now(UTC) + timedelta(hours=1), "quota")
+        elif t.id.startswith("trans-"):
+            out[t.id] = TransientError("warehouse busy")
+        elif t.id.startswith("odd-"):
+            out[t.id] = ValueError("unexpected")
+        elif t.id.startswith("bad-"):
+            out[t.id] = Enrichment((Order("O-\x00"),), job_id="batch-job", bytes_billed=7)
+        elif not t.id.startswith("gone-"):
+            out[t.id] = Enrichment((Order(f"O-{t.id}"),), job_id="batch-job", bytes_billed=7)
+    return out
+
+
+def slot_probe(tickets: Sequence[Ticket], context: EnrichContext) -> Mapping[str, Enrichment]:
+    """A warehouse call that takes ENRICHQ_TEST_SLOW_SECONDS and records itself in
+    ENRICHQ_TEST_STARTED_DIR: a file per call, named `pid-start` (monotonic ns, comparable
+    across processes on Linux) and holding the end once the call returns; a call whose
+    process was killed has an empty file."""
+    folder = os.environ["ENRICHQ_TEST_STARTED_DIR"]
+    path = os.path.join(folder, f"{os.getpid()}-{time.monotonic_ns()}")
+    with open(path, "w"):
+        pass
+    time.sleep(float(os.environ.get("ENRICHQ_TEST_SLOW_SECONDS", "1")))
+    end = time.monotonic_ns()
+    with open(path, "w") as f:
+        f.write(str(end))
+    return {t.id: Enrichment((Order(f"O-{t.id}"),), job_id=f"probe-{end}") for t in tickets}

@@ -145,6 +145,21 @@ def test_unreachable_database_is_one_line_without_the_password() -> None:
     assert "hunter2" not in proc.stderr + proc.stdout
 
 
+def test_an_unknown_variable_is_warned_about_at_start_up() -> None:
+    proc = run(
+        "status",
+        env={
+            "ENRICHQ_DATABASE_URL": "postgresql://u@127.0.0.1:1/none?connect_timeout=2",
+            "ENRICHQ_LEESE_SECONDS": "10",
+        },
+    )
+    warned = [line for line in proc.stderr.splitlines() if "ENRICHQ_LEESE_SECONDS" in line]
+    assert len(warned) == 1
+    assert "WARNING" in warned[0]
+    assert "not an enrichq setting: ignored (did you mean ENRICHQ_LEASE_SECONDS?)" in warned[0]
+    assert proc.returncode == 1  # the command itself goes on (here, to an absent database)
+
+
 def test_cli_start_imports_no_heavy_stacks() -> None:
     code = (
         "import sys; from enrichq_service.cli import cli; "

@@ -86,6 +86,9 @@ def test_toml_file_is_read_and_environment_wins(
         ({"ENRICHQ_POOL_MODE": "statement"}, "ENRICHQ_POOL_MODE"),
         ({"ENRICHQ_NETWORK_TIMEOUT_SECONDS": "-1"}, "ENRICHQ_NETWORK_TIMEOUT_SECONDS"),
         ({"ENRICHQ_LISTEN_DATABASE_URL": "mysql://u:pw@h/db"}, "ENRICHQ_LISTEN_DATABASE_URL"),
+        ({"ENRICHQ_ORDERS_TABLE": "a.b.c.d"}, "ENRICHQ_ORDERS_TABLE"),
+        ({"ENRICHQ_CUSTOMERS_TABLE": "sales.customers; --"}, "ENRICHQ_CUSTOMERS_TABLE"),
+        ({"ENRICHQ_TICKETS_TABLE": "db.helpdesk.tickets"}, "ENRICHQ_TICKETS_TABLE"),
         ({"ENRICHQ_NO_SUCH_THING": "1"}, None),
     ],
 )
@@ -115,11 +118,19 @@ def test_impossible_values_are_refused_naming_the_field(
         ("listen_database_url", "postgresql://u@db-direct:5432/db?keepalives_idle=30"),
         ("warehouse_url", "sqlite:///warehouse.db"),
         ("warehouse_url", "postgresql://u@h/warehouse?application_name=lookups"),
+        ("warehouse_url", "duckdb:///var/lib/warehouse/dw.duckdb?access_mode=read_only"),
     ],
 )
 def test_urls_enrichq_can_use_are_accepted(name: str, url: str) -> None:
     overrides: dict[str, Any] = {name: url}
     assert getattr(Settings.load(None, **overrides), name) == url
+
+
+@pytest.mark.parametrize(
+    "table", ["warehouse.orders", "my-project.sales.orders", "dw.warehouse.orders"]
+)
+def test_warehouse_tables_may_name_their_catalog(table: str) -> None:
+    assert Settings.load(orders_table=table, customers_table=table).orders_table == table
 
 
 def test_a_refused_url_never_shows_its_password(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -171,3 +182,50 @@ def test_safe_dump_hides_passwords_and_secrets(monkeypatch: pytest.MonkeyPatch) 
     assert "hunter2" not in dumped
     assert "topsecret" not in dumped
     assert "app:***@db" in dumped
+
+
+def test_a_per_ticket_and_a_batch_enricher_together_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("ENRICHQ_ENRICHER", "tests.support.enrichers:tagged")
+    monkeypatch.setenv("ENRICHQ_BATCH_ENRICHER", "tests.support.enrichers:noop_batch")
+    with pytest.raises(SettingsError, match="not both") as info:
+        Settings.load()
+    assert "\n" not in str(info.value)
+
+
+def test_the_built_in_batch_lookup_is_the_default_enricher() -> None:
+    from enrichq_service.enrich import choose, warehouse_lookup, warehouse_lookup_batch
+
+    default = choose(Settings.load())
+    assert (default.batch, default.per_ticket, default.unit_size) == (
+        warehouse_lookup_batch,
+        None,
+        50,
+    )
+    single = choose(Settings.load(enricher="enrichq_service.enrich:warehouse_lookup"))
+    assert (single.per_ticket, single.batch, single.unit_size) == (warehouse_lookup, None, 1)
+
+
+def test_unknown_variables_are_named_with_the_closest_setting() -> None:
+    from enrichq_schema.settings import unknown_variables
+
+    environ = {
+        "ENRICHQ_LEESE_SECONDS": "10",  # a typo
+        "ENRICHQ_WAREHOUSE_MAX_CONCURENCY": "4",  # another
+        "ENRICHQ_NO_SUCH_THING": "1",  # nothing close
+        "enrichq_concurency": "2",  # read whatever its case, so warned whatever its case
+        "ENRICHQ_LEASE_SECONDS": "10",  # settings, and what enrichq reads besides them
+        "ENRICHQ_CONFIG": "/etc/enrichq.toml",
+        "ENRICHQ_EMBEDDED_DIR": "/tmp/pg",
+        "ENRICHQ_TEST_DATABASE_URL": "postgresql://localhost/x",  # the test suite's
+        "PATH": "/usr/bin",
+    }
+    assert unknown_variables(environ) == [
+        "ENRICHQ_LEESE_SECONDS is not an enrichq setting: ignored"
+        " (did you mean ENRICHQ_LEASE_SECONDS?)",
+        "ENRICHQ_NO_SUCH_THING is not an enrichq setting: ignored",
+        "ENRICHQ_WAREHOUSE_MAX_CONCURENCY is not an enrichq setting: ignored"
+        " (did you mean ENRICHQ_WAREHOUSE_MAX_CONCURRENCY?)",
+        "enrichq_concurency is not an enrichq setting: ignored (did you mean ENRICHQ_CONCURRENCY?)",
+    ]

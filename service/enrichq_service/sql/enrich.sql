@@ -125,12 +125,20 @@ SELECT pg_advisory_xact_lock(CAST(:lock_space AS int), 0);
 -- Admits one warehouse lookup as :token, of :owner, unless the fleet-wide cap (:cap, 0 =
 -- none) has no free slot or today's budget (:budget, 0 = none) is spent, counting the bytes
 -- reserved by the lookups in flight. It reserves :expected bytes (NULL: the latest day's
--- average lookup, else the largest known cost in flight) until its settle releases them, or until :lease_seconds pass without its
--- owner's heartbeat (a slot whose holder died is free again within one lease). Returns why
--- it was refused ('cap', 'budget' or NULL), the bytes reserved, the database time, and when
--- the budget's day resets.
+-- average lookup, else the largest known cost in flight) until its settle releases them,
+-- or until :lease_seconds pass without its owner's heartbeat (a slot whose holder died is
+-- free again within one lease; its row is deleted here, so the table holds only the
+-- fleet's live lookups). Returns why it was
+-- refused ('cap', 'budget' or NULL), the bytes reserved, the database time, and when the
+-- budget's day resets.
 WITH clock AS (
     SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
+),
+-- the rows of holders that died (every statement here sees the table as it was before)
+purged AS (
+    DELETE FROM enrichq.lookups_in_flight AS f
+    USING clock
+    WHERE f.expires_at <= clock.now
 ),
 ledger AS (
     SELECT coalesce((SELECT b.bytes_billed FROM enrichq.budget_ledger AS b
@@ -139,11 +147,17 @@ ledger AS (
             WHERE b.lookups > 0 ORDER BY b.day DESC LIMIT 1) AS average
     FROM clock
 ),
+-- the live lookups; one admitted before any cost was known (reserved 0, not learned yet)
+-- counts as the average now that one is: else a worker's next lookup of known cost would
+-- pass beside lookups of unknown cost of its own and of others, and overspend more
 live AS (
-    SELECT count(*) AS slots, coalesce(sum(f.reserved_bytes), 0) AS reserved,
+    SELECT count(*) AS slots,
+           coalesce(sum(CASE WHEN f.reserved_bytes > 0 THEN f.reserved_bytes
+                             ELSE coalesce(ledger.average, 0) END), 0) AS reserved,
            max(nullif(f.reserved_bytes, 0)) AS largest
     FROM enrichq.lookups_in_flight AS f
     CROSS JOIN clock
+    CROSS JOIN ledger
     WHERE f.expires_at > clock.now
 ),
 verdict AS (

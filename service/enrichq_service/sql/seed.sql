@@ -65,3 +65,13 @@ ON CONFLICT DO NOTHING;
 INSERT INTO legacy.ticket_orders (ticket_id, order_id, looked_up_at)
 VALUES (:ticket_id, :order_id, :looked_up_at)
 ON CONFLICT DO NOTHING;
+
+
+-- name: seed_select_customers
+-- Every warehouse customer (to seed another warehouse with the same rows).
+SELECT customer_id, email FROM warehouse.customers ORDER BY customer_id;
+
+
+-- name: seed_select_orders
+-- Every warehouse order (to seed another warehouse with the same rows).
+SELECT order_id, customer_id, placed_at, total FROM warehouse.orders ORDER BY order_id;

@@ -7,7 +7,8 @@ from typing import NamedTuple
 
 import sqlalchemy as sa
 
-from enrichq_schema.connections import create_engine
+from enrichq_schema.connections import create_engine, engine_options
+from enrichq_schema.db import create_warehouse_engine
 from enrichq_schema.settings import Settings
 
 
@@ -60,10 +61,9 @@ def build_engines(settings: Settings, url: str) -> WorkerEngines:
         generic_plans=True,
         asynchronous_commit=True,
     )
-    warehouse = create_engine(
-        settings,
+    warehouse = create_warehouse_engine(
         settings.warehouse_url or url,
-        application_name="enrichq-warehouse",
         pool_size=settings.concurrency,
+        **engine_options(settings),
     )
     return WorkerEngines(queue, claims, warehouse)

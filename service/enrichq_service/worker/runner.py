@@ -1,12 +1,13 @@
 """The job runner: runs the enrichment of claimed jobs on a pool of threads.
 
 Jobs arrive in units: one job for a per-ticket enricher, up to ENRICHQ_LOOKUP_BATCH_SIZE
-for a batch enricher, and a unit takes one thread. The runner owns the pool and knows how
-many threads are free; the claim loop claims only as many jobs as can start at once, so no
-job ever waits behind a hung plug-in and loses attempts it never used. A thread whose
-plug-in hangs past the attempt's deadline is abandoned (its job retried) and stays busy
-until the plug-in returns: the pool has a spare thread per slot, and once those are taken
-the worker claims less.
+for a batch enricher, and a unit takes one thread (and one warehouse query, for the
+built-in lookup). ENRICHQ_CONCURRENCY counts units: a worker holds up to that many units'
+worth of jobs. The runner owns the pool and knows how many threads are free; the claim
+loop claims only as many jobs as can start at once, so no job ever waits behind a hung
+plug-in and loses attempts it never used. A thread whose plug-in hangs past the attempt's
+deadline is abandoned (its job retried) and stays busy until the plug-in returns: the pool
+has a spare thread per slot, and once those are taken the worker claims less.
 
 For each unit the runner starts the jobs that may still start (one lost or abandoned
 meanwhile never does), checks each (known kind, payload, mirrored ticket), admits the
@@ -36,6 +37,7 @@ from enrichq_service.enrich import (
     Enrichment,
     Lookup,
     Result,
+    charge_of,
     error_text,
     validate,
 )
@@ -63,10 +65,13 @@ class Missing(TransientError):
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """What one job's enrichment came to, before its settlement is built."""
+    """What one job's enrichment came to, before its settlement is built: its result or
+    error, and its share of the warehouse job (also when its result was refused)."""
 
     held: Held
     value: Enrichment | BaseException
+    job_id: str | None = None
+    billed: int = 0
 
 
 class Runner:
@@ -100,11 +105,17 @@ class Runner:
     def unit_size(self) -> int:
         return self._enricher.unit_size
 
+    @property
+    def max_jobs(self) -> int:
+        """Jobs this process may hold: ENRICHQ_CONCURRENCY units of `unit_size` jobs each
+        (8 per-ticket calls, or 8 batches of up to 50 tickets, by default)."""
+        return self._settings.concurrency * self.unit_size
+
     def capacity(self) -> int:
         """Jobs that can be claimed and started at once: free slots, and free threads."""
         with self._lock:
             idle_threads = self._threads - self._busy
-        free_slots = self._settings.concurrency - len(self._jobs)
+        free_slots = self.max_jobs - len(self._jobs)
         return max(0, min(free_slots, idle_threads * self.unit_size))
 
     def busy(self) -> int:
@@ -178,16 +189,14 @@ class Runner:
             rest = [h for h in ready if h not in suspects]
             for held in suspects:
                 # its last worker vanished mid-attempt: it may be what killed it
-                outcomes.append(Outcome(held, self._isolated(held)))
+                outcomes.append(_checked(held, self._isolated(held)))
             if rest:
                 outcomes.extend(self._in_process(rest, deadline, cancelled))
-            billed = sum(o.value.bytes_billed for o in outcomes if isinstance(o.value, Enrichment))
+            billed = sum(o.billed for o in outcomes)
         finally:
             self._admission.learned(admitted, billed)
         duration_ms = (time.monotonic() - began) * 1000
-        lookups = {
-            o.held.id: _lookup(o.held, o.value, duration_ms, began, admitted) for o in outcomes
-        }
+        lookups = {o.held.id: _lookup(o, duration_ms, began, admitted) for o in outcomes}
         return outcomes, lookups
 
     def _in_process(
@@ -206,37 +215,31 @@ class Runner:
             if per_ticket is not None:
                 [one] = held
                 assert one.ticket is not None
-                results: Mapping[str, object] = {
-                    one.job.key: _checked(per_ticket(one.ticket, context))
-                }
+                results: Mapping[str, object] = {one.job.key: per_ticket(one.ticket, context)}
             else:
                 assert batch is not None
                 results = batch([t for t in tickets if t is not None], context)
         except BaseException as exc:
             if not isinstance(exc, Exception):
                 raise
+            # the whole call failed (the batch's query, say): every job's outcome
             return [Outcome(h, exc) for h in held]
         if not isinstance(results, Mapping):
             bad = PermanentError(
                 f"the batch enricher returned {type(results).__name__}, not a mapping"
             )
             return [Outcome(h, bad) for h in held]
-        out: list[Outcome] = []
-        for h in held:
-            value = results.get(h.job.key, Missing("the batch enricher returned nothing for it"))
-            out.append(Outcome(h, value if isinstance(value, BaseException) else _checked(value)))
-        return out
+        missing = Missing("the batch enricher returned nothing for it")
+        return [_checked(h, results.get(h.job.key, missing)) for h in held]
 
-    def _isolated(self, held: Held) -> Enrichment | BaseException:
+    def _isolated(self, held: Held) -> object:
         assert held.ticket is not None
         try:
-            return _checked(
-                enrich_in_child(
-                    self._settings,
-                    self._warehouse.url.render_as_string(hide_password=False),
-                    held.ticket,
-                    timeout=max(1.0, held.deadline - time.monotonic()),
-                )
+            return enrich_in_child(
+                self._settings,
+                self._warehouse.url.render_as_string(hide_password=False),
+                held.ticket,
+                timeout=max(1.0, held.deadline - time.monotonic()),
             )
         except Exception as exc:
             return exc
@@ -249,11 +252,16 @@ class Runner:
             self._settle(Settlement(held, None, lookup=settlement.lookup))
 
 
-def _checked(value: object) -> Enrichment | BaseException:
+def _checked(held: Held, value: object) -> Outcome:
+    """One job's outcome from what the plug-in gave for it: an exception as it is, a result
+    validated where it enters (an invalid one fails this job alone, still charged)."""
+    if isinstance(value, BaseException):
+        return Outcome(held, value)
     try:
-        return validate(value)
+        checked = validate(value)
     except PermanentError as exc:
-        return exc
+        return Outcome(held, exc, *charge_of(value))
+    return Outcome(held, checked, checked.job_id, checked.bytes_billed)
 
 
 def _precheck(held: Held) -> BaseException | None:
@@ -282,29 +290,25 @@ def _settlement_for(held: Held, value: object, lookup: Lookup | None) -> Settlem
     return Settlement(held, SettleAction.RETRY, error=error, lookup=lookup)
 
 
-def _lookup(
-    held: Held,
-    value: Enrichment | BaseException,
-    duration_ms: float,
-    began: float,
-    admitted: Admitted,
-) -> Lookup:
-    """The lookup-log record of one job's part of a lookup."""
+def _lookup(outcome: Outcome, duration_ms: float, began: float, admitted: Admitted) -> Lookup:
+    """The lookup-log record of one job's part of a lookup: its share of the warehouse job,
+    whatever became of its result."""
+    held, value = outcome.held, outcome.value
     if isinstance(value, Enrichment):
         status = "ok" if value.orders else "empty"
-        rows, billed, job_id, error = len(value.orders), value.bytes_billed, value.job_id, None
+        rows, error = len(value.orders), None
     else:
         status = "deferred" if isinstance(value, Deferral) else "error"
-        rows, billed, job_id, error = 0, 0, None, error_text(value)
+        rows, error = 0, error_text(value)
     metrics.lookups_total.labels(status).inc()
-    metrics.warehouse_bytes_billed_total.inc(billed)
+    metrics.warehouse_bytes_billed_total.inc(outcome.billed)
     return Lookup(
         queue_id=held.id,
         claim_token=held.job.claim_token,
         ticket_id=held.job.key,
         attempt=held.job.attempts,
-        job_id=job_id,
-        bytes_billed=billed,
+        job_id=outcome.job_id,
+        bytes_billed=outcome.billed,
         rows=rows,
         duration_ms=duration_ms,
         status=status,

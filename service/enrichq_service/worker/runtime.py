@@ -244,7 +244,7 @@ class Worker:
         if self._free_since is None:
             self._free_since = now
         held_now = len(self.jobs)
-        gathering = held_now and free * 2 < self.settings.concurrency
+        gathering = held_now and free * 2 < self.runner.max_jobs
         if gathering and now - self._free_since < CLAIM_GATHER_SECONDS:
             return False
         try:

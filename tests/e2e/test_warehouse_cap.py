@@ -1,0 +1,218 @@
+"""The fleet-wide warehouse cap (ENRICHQ_WAREHOUSE_MAX_CONCURRENCY, issue 16) with real
+`enrichq worker` processes against real PostgreSQL: never more than N warehouse calls at
+once across every process; a call that finds no slot in time is deferred with its attempt
+given back, never failed, and counted; the slot of a holder killed with SIGKILL is free
+again within one lease.
+
+Every call of the probe enricher records its start and end in a folder (monotonic clock,
+one clock for every process on Linux), so the overlap is measured from outside the
+processes, not taken from enrichq's own bookkeeping.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from prometheus_client.parser import text_string_to_metric_families
+from tests.support.procs import enrichq_env, spawn, stop, wait_for
+from tests.support.settings import make_settings
+
+from enrichq_service import queue, seed
+from enrichq_service.queue import EnqueueRequest
+
+pytestmark = pytest.mark.slow
+
+PROBE = "tests.support.enrichers:slot_probe"
+NS = 1_000_000_000
+
+
+def rows(engine: sa.Engine, sql: str, **params: Any) -> list[tuple[Any, ...]]:
+    with engine.connect() as conn:
+        return [tuple(r) for r in conn.execute(sa.text(sql), params)]
+
+
+def seeded(engine: sa.Engine, tickets: int) -> None:
+    with engine.begin() as conn:
+        seed.seed_world(conn, tickets=tickets)
+        keys = [r[0] for r in conn.execute(sa.text("SELECT id FROM helpdesk.tickets"))]
+        queue.enqueue(
+            conn, [EnqueueRequest.build(key=k) for k in keys], settings=make_settings(None)
+        )
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def counter(port: int, name: str, **labels: str) -> float:
+    """A counter's value on one process's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == f"{name}_total" and all(
+                sample.labels.get(k) == v for k, v in labels.items()
+            ):
+                return float(sample.value)
+    return 0.0
+
+
+def calls(folder: Path, *, killed_at: int | None = None) -> list[tuple[int, int, int]]:
+    """Every probe call as (pid, start, end); a call whose process was killed ends then."""
+    out = []
+    for marker in folder.iterdir():
+        pid, start = (int(p) for p in marker.name.split("-"))
+        text = marker.read_text()
+        end = int(text) if text else (killed_at or time.monotonic_ns())
+        out.append((pid, start, end))
+    return sorted(out, key=lambda c: c[1])
+
+
+def most_at_once(intervals: list[tuple[int, int, int]]) -> int:
+    """The largest number of calls running at the same moment."""
+    edges = sorted([(s, 1) for _, s, _ in intervals] + [(e, -1) for _, _, e in intervals])
+    running = peak = 0
+    for _, step in edges:  # an end sorts before a start at the same instant
+        running += step
+        peak = max(peak, running)
+    return peak
+
+
+def test_three_workers_never_run_more_warehouse_calls_than_the_cap(
+    db_url: str, db_engine: sa.Engine, tmp_path: Path
+) -> None:
+    """Cap 2; three processes of two slots each, batches of 3 tickets, calls of 2.5 s:
+    four of the six first batches find no slot within the 2 s wait and are deferred."""
+    seeded(db_engine, 18)
+    started = tmp_path / "calls"
+    started.mkdir()
+    ports = [free_port() for _ in range(3)]
+    workers = [
+        spawn(
+            ["worker"],
+            enrichq_env(
+                db_url,
+                batch_enricher=PROBE,
+                lookup_batch_size=3,
+                concurrency=2,
+                warehouse_max_concurrency=2,
+                lease_seconds=10,
+                heartbeat_seconds=2,
+                poll_seconds=0.5,
+                metrics_port=port,
+                ENRICHQ_TEST_SLOW_SECONDS=2.5,
+                ENRICHQ_TEST_STARTED_DIR=started,
+            ),
+            log=tmp_path / f"w{i}.log",
+        )
+        for i, port in enumerate(ports)
+    ]
+    try:
+        wait_for(
+            lambda: (
+                rows(db_engine, "SELECT count(*) FROM enrichq.queue WHERE state = 'done'")
+                == [(18,)]
+            ),
+            timeout=120,
+            what="every ticket to be done",
+        )
+        waits = sum(counter(p, "enrichq_warehouse_slot_waits") for p in ports)
+        deferred = sum(counter(p, "enrichq_warehouse_deferrals", reason="cap") for p in ports)
+    finally:
+        codes = [stop(w) for w in workers]
+    assert codes == [0, 0, 0]
+    made = calls(started)
+    assert len({pid for pid, _, _ in made}) > 1  # the calls came from several processes
+    assert most_at_once(made) == 2  # the cap, reached and never passed
+    assert waits > 0
+    assert deferred > 0
+    # deferred, never failed, and every deferral gave its attempt back
+    assert rows(db_engine, "SELECT state, attempts, count(*) FROM enrichq.queue GROUP BY 1, 2") == [
+        ("done", 1, 18)
+    ]
+    assert rows(db_engine, "SELECT count(*) FROM enrichq.lookups_in_flight") == [(0,)]
+
+
+def test_the_slot_of_a_holder_killed_with_sigkill_is_free_within_one_lease(
+    db_url: str, db_engine: sa.Engine, tmp_path: Path
+) -> None:
+    """Cap 1, lease 4 s. Worker A holds the slot in a call that never ends; worker B is
+    refused for as long as A lives (longer than a lease: A's heartbeat keeps its slot);
+    A is killed with SIGKILL; B's first call starts within one lease of the kill."""
+    lease = 4.0
+    seeded(db_engine, 8)
+    started = tmp_path / "calls"
+    started.mkdir()
+
+    def worker(name: str, seconds: float, port: int) -> subprocess.Popen[bytes]:
+        env = enrichq_env(
+            db_url,
+            batch_enricher=PROBE,
+            lookup_batch_size=1,
+            concurrency=1,
+            warehouse_max_concurrency=1,
+            lease_seconds=lease,
+            heartbeat_seconds=1,
+            poll_seconds=0.5,
+            metrics_port=port,
+            ENRICHQ_TEST_SLOW_SECONDS=seconds,
+            ENRICHQ_TEST_STARTED_DIR=started,
+        )
+        return spawn(["worker"], env, log=tmp_path / f"{name}.log")
+
+    a = worker("a", 600, 0)
+    b_port = free_port()
+    b: subprocess.Popen[bytes] | None = None
+    try:
+        [(_, a_started, _)] = wait_for(lambda: calls(started), timeout=30, what="A's call")
+        b = worker("b", 0.2, b_port)
+        # A holds its slot for more than a lease; B gets none meanwhile
+        while time.monotonic_ns() < a_started + int((lease + 2) * NS):
+            assert [pid for pid, _, _ in calls(started)] == [a.pid]
+            time.sleep(0.1)
+        [(owner, left)] = rows(
+            db_engine,
+            "SELECT owner, extract(epoch FROM expires_at - now())"
+            " FROM enrichq.lookups_in_flight WHERE expires_at > now()",
+        )
+        assert f":{a.pid}:" in owner
+        assert 0 < left <= lease
+        assert counter(b_port, "enrichq_warehouse_deferrals", reason="cap") > 0
+        killed_at = time.monotonic_ns()
+        os.kill(a.pid, signal.SIGKILL)
+        assert a.wait(10) == -signal.SIGKILL
+        first_b = wait_for(
+            lambda: [c for c in calls(started, killed_at=killed_at) if c[0] == b.pid],
+            timeout=30,
+            what="B's first call",
+        )[0]
+        freed_after = (first_b[1] - killed_at) / NS
+        assert 0 < freed_after <= lease + 1.0, freed_after
+        # and B goes on under the cap: one call at a time, A's dead call included
+        wait_for(
+            lambda: (
+                rows(db_engine, "SELECT count(*) FROM enrichq.queue WHERE state = 'done'") == [(7,)]
+            ),
+            timeout=60,
+            what="B to do every ticket but A's",
+        )
+    finally:
+        if a.poll() is None:
+            a.kill()
+            a.wait(10)
+        if b is not None:
+            assert stop(b) == 0
+    assert most_at_once(calls(started, killed_at=killed_at)) == 1
+    # the dead holder's row went when B was admitted; B's were released by its settles
+    assert rows(db_engine, "SELECT count(*) FROM enrichq.lookups_in_flight") == [(0,)]
