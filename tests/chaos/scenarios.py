@@ -641,9 +641,17 @@ def partition(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outc
         with TcpProxy(target_of(db_url)) as proxy, fleet(db_url, logs, workers=2, **slow) as f:
             # its lookups take longer, so the cut finds its handlers running (the first claim
             # is seen within a poll), not only settles
+            started = logs / "victim-started"
+            started.mkdir()
             victim_env = enrichq_env(
                 via(proxy, db_url),
-                **{**FAST, **slow, **PARTITIONED, "ENRICHQ_TEST_SLOW_SECONDS": 5},
+                **{
+                    **FAST,
+                    **slow,
+                    **PARTITIONED,
+                    "ENRICHQ_TEST_SLOW_SECONDS": 5,
+                    "ENRICHQ_TEST_STARTED_DIR": started,
+                },
             )
             victim = spawn(["worker"], victim_env, log=logs / "partitioned.log")
             f.workers.append(victim)  # stopped (gracefully) with the others
@@ -653,11 +661,13 @@ def partition(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outc
                 "SELECT id, claim_token FROM enrichq.queue"
                 " WHERE state = 'leased' AND lease_owner LIKE :owner"
             )
+            # its handlers run: the claim's reply reached it (a cut during the claim's round
+            # trip leaves leases it never learnt of, which only expire)
             wait_for(
-                lambda: q(engine, held, owner=owner),
+                lambda: q(engine, held, owner=owner) and any(started.iterdir()),
                 timeout=120,
                 interval=0.02,
-                what="the partitioned worker to hold leases",
+                what="the partitioned worker to hold leases and run their handlers",
             )
             proxy.blackhole()
             cut_at, cut = time.time(), time.monotonic()

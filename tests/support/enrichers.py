@@ -53,7 +53,12 @@ def crash_on_poison(ticket: Ticket, context: EnrichContext) -> Enrichment:
 
 
 def sleepy_warehouse(ticket: Ticket, context: EnrichContext) -> Enrichment:
-    """A slow warehouse: the lookup holds a warehouse connection for a while."""
+    """A slow warehouse: the lookup holds a warehouse connection for a while. Each start is
+    marked in ENRICHQ_TEST_STARTED_DIR, if set (a file per ticket)."""
+    marker = os.environ.get("ENRICHQ_TEST_STARTED_DIR")
+    if marker:
+        with open(os.path.join(marker, ticket.id), "w") as f:
+            f.write(str(os.getpid()))
     time.sleep(float(os.environ.get("ENRICHQ_TEST_SLOW_SECONDS", "0.2")))
     return warehouse_lookup(ticket, context)
 
