@@ -746,7 +746,14 @@ def failover(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outco
         start = time.monotonic()
         multi = c.multi_host_url("enrichq")
         done = "SELECT count(*) FROM enrichq.queue WHERE state = 'done'"
-        with fleet(multi, logs, network_timeout_seconds=2) as f:
+        # lookups of half a second (24 at once): the crash finds work left to do on the new
+        # primary, however fast the worker gets at the rest (a batch of 50 no-op lookups
+        # finishes the bounded run's 300 tickets before replication can be cut)
+        slow = {
+            "enricher": "tests.support.enrichers:sleepy_warehouse",
+            "ENRICHQ_TEST_SLOW_SECONDS": 0.5,
+        }
+        with fleet(multi, logs, network_timeout_seconds=2, **slow) as f:
             f.start_sweeper()
             wait_for(lambda: q(primary, done)[0][0] >= tickets * 0.4, timeout=240, what="40% done")
             assert c.replication is not None
