@@ -36,6 +36,7 @@ from tests.support.pgbouncer import PgBouncer
 from tests.support.procs import enrichq_env, spawn, stop, wait_for
 from tests.support.settings import make_settings
 from tests.support.tcpproxy import TcpProxy, target_of, via
+from tests.support.web import free_port
 
 AUDIT = """
 CREATE TABLE IF NOT EXISTS public.result_writes (
@@ -453,7 +454,7 @@ def db_restart(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Out
 
     base = Path(tempfile.mkdtemp(prefix="enrichq-chaos-pg-", dir="/tmp"))
     base.chmod(0o711)
-    server = EmbeddedPostgres(base, port=cluster.free_port())
+    server = EmbeddedPostgres(base, port=free_port())
     out = Outcome("PostgreSQL restarted, then crashed, mid-run", tickets)
     out.notes = "the second stop is a crash (immediate shutdown): unflushed claims are lost"
     try:

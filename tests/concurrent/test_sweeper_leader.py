@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
-import subprocess
-import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, TypeVar
+from typing import TypeVar
 
 import pytest
 import sqlalchemy as sa
-from tests.support.procs import wait_for
+from tests.support.db import insert_expired_leases
+from tests.support.procs import enrichq_env, spawn, wait_for
 
 from enrichq_sweeper.leader import SWEEPER_LOCK_ID
 
-ENRICHQ = Path(sys.executable).with_name("enrichq")
 DEADLINE_SECONDS = 30.0
 T = TypeVar("T")
 
@@ -37,19 +34,11 @@ class Sweeper:
     """One `enrichq sweep` process with its output in a file."""
 
     def __init__(self, db_url: str, log: Path, metrics_port: int = 0) -> None:
-        env = {
-            **os.environ,
-            "ENRICHQ_DATABASE_URL": db_url,
-            "ENRICHQ_SWEEP_INTERVAL_SECONDS": "0.2",
-            "ENRICHQ_METRICS_PORT": str(metrics_port),
-            "ENRICHQ_LOG_LEVEL": "INFO",
-        }
-        env.pop("ENRICHQ_CONFIG", None)
-        self.log = log
-        self._out: IO[bytes] = log.open("wb")
-        self.proc = subprocess.Popen(
-            [str(ENRICHQ), "sweep"], env=env, stdout=self._out, stderr=subprocess.STDOUT
+        env = enrichq_env(
+            db_url, sweep_interval_seconds=0.2, metrics_port=metrics_port, log_level="INFO"
         )
+        self.log = log
+        self.proc = spawn(["sweep"], env, log=log)
         self.owner = f"{socket.gethostname()}:{self.proc.pid}"
 
     def output(self) -> str:
@@ -59,7 +48,6 @@ class Sweeper:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=DEADLINE_SECONDS)
-        self._out.close()
 
 
 @pytest.fixture
@@ -89,21 +77,6 @@ def connected(engine: sa.Engine) -> str:
             )
         ).scalars()
         return " ".join(str(n) for n in names)
-
-
-def expire_leases(engine: sa.Engine, keys: list[str]) -> None:
-    """Leased rows whose leases ran out a minute ago, as if their workers had died."""
-    with engine.begin() as conn:
-        for key in keys:
-            conn.execute(
-                sa.text(
-                    "INSERT INTO enrichq.queue (kind, key, reason, state, attempts, max_attempts,"
-                    " lease_owner, lease_expires_at)"
-                    " VALUES ('enrich', :key, 'created', 'leased', 1, 5, 'dead-worker',"
-                    " now() - interval '1 minute')"
-                ),
-                {"key": key},
-            )
 
 
 def leased(engine: sa.Engine) -> int:
@@ -157,7 +130,7 @@ def test_only_the_leader_sweeps_and_the_other_takes_over_when_it_dies(
     )
     assert second.proc.poll() is None
 
-    expire_leases(db_engine, ["T-1", "T-2"])
+    insert_expired_leases(db_engine, ["T-1", "T-2"])
     wait_for(
         lambda: leased(db_engine) == 0,
         what="the leader to recover the leases",
@@ -180,7 +153,7 @@ def test_only_the_leader_sweeps_and_the_other_takes_over_when_it_dies(
     first.proc.wait(timeout=DEADLINE_SECONDS)
     assert wait_for(leader, what="the follower to take over", timeout=DEADLINE_SECONDS) is second
 
-    expire_leases(db_engine, ["T-3"])
+    insert_expired_leases(db_engine, ["T-3"])
     wait_for(
         lambda: leased(db_engine) == 0,
         what="the new leader to recover the leases",
@@ -258,7 +231,7 @@ def test_a_leader_whose_lock_session_dies_steps_down_and_leads_again(
         )
         assert "lost the leader lock" in sweeper.output()
         assert sweeper.proc.poll() is None
-        expire_leases(db_engine, ["T-1"])
+        insert_expired_leases(db_engine, ["T-1"])
         wait_for(
             lambda: leased(db_engine) == 0,
             what="the leases to be recovered",

@@ -15,6 +15,7 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
 from sqlalchemy.engine import make_url
+from tests.support import web
 from tests.support.pg import Databases
 from tests.support.settings import make_settings
 
@@ -35,12 +36,7 @@ def encode(body: object) -> bytes:
 
 
 def signed(body: bytes, *, secret: str = SECRET, ts: int | str | None = None) -> dict[str, str]:
-    stamp = str(int(time.time())) if ts is None else str(ts)
-    return {
-        "Content-Type": "application/json",
-        "X-Enrichq-Timestamp": stamp,
-        "X-Enrichq-Signature": sign(secret, stamp, body),
-    }
+    return web.signed(body, secret, ts=ts)
 
 
 def queue_rows(engine: sa.Engine) -> list[sa.Row[Any]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
@@ -17,11 +16,12 @@ from prometheus_client import REGISTRY
 from sqlalchemy.engine import make_url
 from tests.support.pg import Databases
 from tests.support.settings import make_settings
+from tests.support.web import signed
 
 from enrichq_schema.db import create_engine
 from enrichq_schema.settings import Settings
 from enrichq_service import events as ingest
-from enrichq_service.http import create_app, sign
+from enrichq_service.http import create_app
 from enrichq_service.queue import EnqueueRequest
 from enrichq_sweeper import retention
 
@@ -44,16 +44,7 @@ def event(ticket: str = "T-1", event_id: str | None = "evt-1", **fields: Any) ->
 
 def post(client: TestClient, body: object, secret: str = NEW_SECRET) -> Any:
     raw = json.dumps(body).encode()
-    stamp = str(int(time.time()))
-    return client.post(
-        URL,
-        content=raw,
-        headers={
-            "Content-Type": "application/json",
-            "X-Enrichq-Timestamp": stamp,
-            "X-Enrichq-Signature": sign(secret, stamp, raw),
-        },
-    )
+    return client.post(URL, content=raw, headers=signed(raw, secret))
 
 
 def rows(engine: sa.Engine) -> list[tuple[Any, ...]]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from tests.support import cluster, parity_world
-from tests.support.procs import REPO, enrichq_env
+from tests.support.procs import REPO, enrichq_env, wait_for
 
 from enrichq_schema.db import ensure_database, migrate
 
@@ -142,8 +141,12 @@ def test_parity_on_a_standby_is_the_primary_s_report_and_lag_is_too_young(
                 sa.text("SELECT created_at FROM helpdesk.tickets WHERE id = 'T-lagging'")
             ).scalar_one()
         # past the grace on every clock: by now() alone, the ticket would be compared
-        while now_of(primary) < created + timedelta(seconds=GRACE_SECONDS + 1):
-            time.sleep(0.2)
+        wait_for(
+            lambda: now_of(primary) >= created + timedelta(seconds=GRACE_SECONDS + 1),
+            timeout=GRACE_SECONDS + 30,
+            interval=0.2,
+            what="the lagging ticket to pass the grace on the primary's clock",
+        )
         behind = parity(on_standby, tmp_path / "s2.json", since, until)
         ahead = parity(on_primary, tmp_path / "p2.json", since, until)
         assert "T-lagging" not in mismatch_ids(behind)

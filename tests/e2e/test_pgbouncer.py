@@ -4,21 +4,18 @@ that refuses every connection stops `worker --drain` with its error."""
 
 from __future__ import annotations
 
-import json
 import socket
-import time
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 import sqlalchemy as sa
-from tests.support.pgbouncer import PgBouncer, free_port
+from tests.support.db import insert_expired_leases, q
+from tests.support.pgbouncer import PgBouncer
 from tests.support.procs import enrichq_env, spawn, stop, wait_for
 from tests.support.settings import make_settings
+from tests.support.web import answers, event, free_port, post_event
 
 from enrichq_service import queue, seed
-from enrichq_service.http import sign
 from enrichq_service.queue import EnqueueRequest
 
 pytestmark = pytest.mark.slow
@@ -39,11 +36,6 @@ LISTENING = (
     "SELECT count(*) FROM pg_stat_activity"
     " WHERE datname = current_database() AND query = 'LISTEN enrichq_queue'"
 )
-
-
-def q(engine: sa.Engine, sql: str, **params: Any) -> list[tuple[Any, ...]]:
-    with engine.connect() as conn:
-        return [tuple(r) for r in conn.execute(sa.text(sql), params)]
 
 
 def seed_and_enqueue(engine: sa.Engine, tickets: int) -> list[str]:
@@ -120,20 +112,6 @@ def test_transaction_mode_listens_only_on_the_listen_url(
         assert stop(listening) == 0
 
 
-def expire_leases(engine: sa.Engine, keys: list[str]) -> None:
-    with engine.begin() as conn:
-        for key in keys:
-            conn.execute(
-                sa.text(
-                    "INSERT INTO enrichq.queue (kind, key, reason, state, attempts, max_attempts,"
-                    " lease_owner, lease_expires_at)"
-                    " VALUES ('enrich', :key, 'created', 'leased', 1, 5, 'dead-worker',"
-                    " now() - interval '1 minute')"
-                ),
-                {"key": key},
-            )
-
-
 def lease_owner(engine: sa.Engine) -> str | None:
     rows = q(engine, "SELECT owner FROM enrichq.leader_leases WHERE expires_at > now()")
     return str(rows[0][0]) if rows else None
@@ -152,7 +130,7 @@ def test_sweepers_lead_by_a_lease_row_and_take_over_when_the_leader_dies(
         assert owner in pids
         # no session advisory lock: nothing of the sort is held on the server
         assert q(db_engine, ADVISORY) == [(0,)]
-        expire_leases(db_engine, ["A-1", "A-2"])
+        insert_expired_leases(db_engine, ["A-1", "A-2"])
         leased = "SELECT count(*) FROM enrichq.queue WHERE state = 'leased'"
         wait_for(lambda: q(db_engine, leased) == [(0,)], timeout=30, what="recovery")
         leader = pids.pop(owner)
@@ -160,7 +138,7 @@ def test_sweepers_lead_by_a_lease_row_and_take_over_when_the_leader_dies(
         leader.wait(10)
         (survivor,) = pids
         wait_for(lambda: lease_owner(db_engine) == survivor, timeout=30, what="the takeover")
-        expire_leases(db_engine, ["B-1"])
+        insert_expired_leases(db_engine, ["B-1"])
         wait_for(lambda: q(db_engine, leased) == [(0,)], timeout=30, what="recovery again")
         assert q(db_engine, "SELECT key, state FROM enrichq.queue ORDER BY key") == [
             ("A-1", "queued"),
@@ -196,37 +174,13 @@ def test_serve_takes_a_signed_event_through_pgbouncer(
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_for(lambda: _ready(base), timeout=60, what="/readyz")
-        body = json.dumps(
-            {
-                "ticket_id": ticket,
-                "type": "created",
-                "tenant": "acme",
-                "occurred_at": "2026-01-05T12:00:00Z",
-            }
-        ).encode()
-        stamp = str(int(time.time()))
-        response = httpx.post(
-            f"{base}/v1/events",
-            content=body,
-            headers={
-                "Content-Type": "application/json",
-                "X-Enrichq-Timestamp": stamp,
-                "X-Enrichq-Signature": sign(SECRET, stamp, body),
-            },
-        )
+        wait_for(lambda: answers(f"{base}/readyz"), timeout=60, what="/readyz")
+        response = post_event(base, SECRET, event(ticket, tenant="acme"))
         assert response.status_code == 202, response.text
         done = "SELECT count(*) FROM enrichq.ticket_enrichments WHERE ticket_id = :t"
         wait_for(lambda: q(db_engine, done, t=ticket) == [(1,)], timeout=60, what="enriched")
     finally:
         assert stop(serve) == 0
-
-
-def _ready(base: str) -> bool:
-    try:
-        return httpx.get(f"{base}/readyz", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 @pytest.mark.parametrize("command", [["worker", "--drain"], ["sweep"], ["serve"]])

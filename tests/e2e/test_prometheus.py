@@ -10,7 +10,6 @@ import json
 import re
 import shutil
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +17,11 @@ import httpx
 import pytest
 import sqlalchemy as sa
 import yaml
-from tests.support.pgbouncer import free_port
 from tests.support.procs import REPO, enrichq_env, spawn, stop, wait_for
 from tests.support.settings import make_settings
+from tests.support.web import answers, event, free_port, post_event
 
 from enrichq_service import queue, seed
-from enrichq_service.http import sign
 from enrichq_service.queue import EnqueueRequest
 from enrichq_sweeper import pauses
 
@@ -134,10 +132,7 @@ class Prometheus:
         return result
 
     def ready(self) -> bool:
-        try:
-            return httpx.get(f"{self.base}/-/ready", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return answers(f"{self.base}/-/ready")
 
 
 @pytest.fixture
@@ -183,20 +178,8 @@ def test_a_live_prometheus_scrapes_every_process_and_sees_the_worker_go_down(
     prom = Prometheus(config, prometheus_dir / "data", prometheus_port, prometheus_dir / "p.log")
     try:
         base = f"http://127.0.0.1:{ports['enrichq-serve']}"
-        wait_for(lambda: _ok(f"{base}/readyz"), timeout=60, what="serve ready")
-        body = json.dumps(
-            {"ticket_id": keys[0], "type": "updated", "occurred_at": "2026-01-05T12:00:00Z"}
-        ).encode()
-        stamp = str(int(time.time()))
-        httpx.post(
-            f"{base}/v1/events",
-            content=body,
-            headers={
-                "Content-Type": "application/json",
-                "X-Enrichq-Timestamp": stamp,
-                "X-Enrichq-Signature": sign(SECRET, stamp, body),
-            },
-        ).raise_for_status()
+        wait_for(lambda: answers(f"{base}/readyz"), timeout=60, what="serve ready")
+        post_event(base, SECRET, event(keys[0], "updated")).raise_for_status()
         wait_for(prom.ready, timeout=60, what="prometheus ready")
 
         def scraped_twice() -> bool:
@@ -237,10 +220,3 @@ def test_a_live_prometheus_scrapes_every_process_and_sees_the_worker_go_down(
         stop(prom.proc)
         for proc in (serve, worker, sweep):
             stop(proc)
-
-
-def _ok(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import socket
-import time
 from pathlib import Path
 
 import httpx
@@ -13,27 +10,12 @@ import sqlalchemy as sa
 from prometheus_client.parser import text_string_to_metric_families
 from tests.support.db import q
 from tests.support.procs import enrichq_env, spawn, stop, wait_for
+from tests.support.web import answers, event, free_port, post_event
 
 from enrichq_service import seed
-from enrichq_service.http import sign
 
 pytestmark = pytest.mark.slow
 SECRET = "e2e-secret-not-for-production"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def signed(body: bytes) -> dict[str, str]:
-    stamp = str(int(time.time()))
-    return {
-        "Content-Type": "application/json",
-        "X-Enrichq-Timestamp": stamp,
-        "X-Enrichq-Signature": sign(SECRET, stamp, body),
-    }
 
 
 def test_event_posted_over_http_is_enriched(
@@ -64,16 +46,8 @@ def test_event_posted_over_http_is_enriched(
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_for(lambda: _ready(base), timeout=60, what="/readyz")
-        body = json.dumps(
-            {
-                "ticket_id": ticket,
-                "type": "created",
-                "tenant": "acme",
-                "occurred_at": "2026-01-05T12:00:00Z",
-            }
-        ).encode()
-        response = httpx.post(f"{base}/v1/events", content=body, headers=signed(body))
+        wait_for(lambda: answers(f"{base}/readyz"), timeout=60, what="/readyz")
+        response = post_event(base, SECRET, event(ticket, tenant="acme"))
         assert response.status_code == 202, response.text
         assert response.json()["inserted"] == 1
         done = "SELECT count(*) FROM enrichq.queue WHERE state = 'done'"
@@ -112,10 +86,3 @@ def test_event_posted_over_http_is_enriched(
     finally:
         assert stop(serve) == 0
     assert SECRET not in (tmp_path / "serve.log").read_text()
-
-
-def _ready(base: str) -> bool:
-    try:
-        return httpx.get(f"{base}/readyz", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False

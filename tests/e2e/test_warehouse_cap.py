@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -25,6 +24,7 @@ import sqlalchemy as sa
 from prometheus_client.parser import text_string_to_metric_families
 from tests.support.procs import enrichq_env, spawn, stop, wait_for
 from tests.support.settings import make_settings
+from tests.support.web import free_port
 
 from enrichq_service import queue, seed
 from enrichq_service.queue import EnqueueRequest
@@ -47,12 +47,6 @@ def seeded(engine: sa.Engine, tickets: int) -> None:
         queue.enqueue(
             conn, [EnqueueRequest.build(key=k) for k in keys], settings=make_settings(None)
         )
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def counter(port: int, name: str, **labels: str) -> float:

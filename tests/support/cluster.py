@@ -7,10 +7,8 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -20,7 +18,9 @@ import pytest
 import sqlalchemy as sa
 
 from enrichq_schema.db import create_engine
+from tests.support.procs import wait_for
 from tests.support.tcpproxy import TcpProxy
+from tests.support.web import free_port
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 NOT_INSTALLED = (
@@ -57,12 +57,6 @@ def require() -> None:
     why = missing()
     if why:
         pytest.skip(why)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _as_server_user() -> dict[str, Any]:
@@ -245,11 +239,7 @@ class Cluster:
             )
 
     def wait_caught_up(self, database: str = "postgres", timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.caught_up(database):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the standby did not catch up within {timeout:g} s")
-            time.sleep(0.05)
+        wait_for(lambda: self.caught_up(database), timeout=timeout, what="the standby to catch up")
 
     def close(self) -> None:
         for engine in self._engines.values():

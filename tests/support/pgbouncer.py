@@ -6,10 +6,8 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 from types import TracebackType
 
@@ -17,16 +15,12 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from enrichq_schema.db import normalize_url
+from tests.support.procs import stop, wait_for
+from tests.support.web import accepting, free_port
 
 PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
 NOT_INSTALLED = "pgbouncer is not installed (Debian package pgbouncer; .ci/run installs it)"
 START_TIMEOUT_SECONDS = 15.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def missing() -> str | None:
@@ -147,26 +141,22 @@ class PgBouncer:
             group=gid,
             extra_groups=[] if runner is not None else None,
         )
-        deadline = time.monotonic() + START_TIMEOUT_SECONDS
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                    return self
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    tail = self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
-                    self.stop()
-                    raise RuntimeError(f"pgbouncer did not start: {tail}") from None
-                time.sleep(0.05)
+        proc = self.proc
+        # up once it accepts on its port, or done trying once it has exited
+        wait_for(
+            lambda: proc.poll() is not None or accepting(self.port),
+            timeout=START_TIMEOUT_SECONDS,
+            what="pgbouncer to accept connections",
+        )
+        if proc.poll() is not None:
+            tail = self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
+            self.stop()
+            raise RuntimeError(f"pgbouncer did not start: {tail}")
+        return self
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        if self.proc is not None:
+            stop(self.proc, timeout=10)
         self.proc = None
         if self._own_dir:
             shutil.rmtree(self.dir, ignore_errors=True)

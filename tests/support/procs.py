@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 REPO = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
@@ -67,7 +67,7 @@ def wait_for(
         time.sleep(interval)
 
 
-def stop(proc: subprocess.Popen[bytes], *, timeout: float = 30.0) -> int:
+def stop(proc: subprocess.Popen[Any], *, timeout: float = 30.0) -> int:
     """SIGTERM, then SIGKILL if it does not exit in time; its exit code."""
     if proc.poll() is None:
         proc.terminate()
