@@ -161,6 +161,30 @@ def fleet(db_url: str, logs: Path, **kw: Any) -> Iterator[Fleet]:
         f.stop_all()
 
 
+def kill_workers_while_busy(
+    f: Fleet,
+    engine: sa.Engine,
+    out: Outcome,
+    rng: random.Random,
+    *,
+    kills: int,
+    pause: tuple[float, float],
+) -> None:
+    """SIGKILL a random worker every `pause` seconds (uniform) and start another in its
+    place, `kills` times or until no work remains; then wait for the queue to drain and
+    record how long that took after the last kill."""
+    while not quiet(engine) and out.faults < kills:
+        time.sleep(rng.uniform(*pause))
+        i = rng.randrange(len(f.workers))
+        f.workers[i].kill()
+        f.workers[i].wait(10)
+        out.faults += 1
+        f.workers[i] = f.start_worker()
+    fault_end = time.monotonic()
+    drained(engine, f)
+    out.recover_seconds.append(time.monotonic() - fault_end)
+
+
 def quiet(engine: sa.Engine) -> bool:
     """No queued or leased row left."""
     return q(
@@ -302,16 +326,7 @@ def _kill_workers(
             f.start_sweeper()
             # a kill every 0.3-1.2 s, one per 30 tickets (at least 8), while work remains
             kills = max(8, tickets // 30)
-            while not quiet(engine) and out.faults < kills:
-                time.sleep(rng.uniform(0.3, 1.2))
-                i = rng.randrange(len(f.workers))
-                f.workers[i].kill()
-                f.workers[i].wait(10)
-                out.faults += 1
-                f.workers[i] = f.start_worker()
-            fault_end = time.monotonic()
-            drained(engine, f)
-            out.recover_seconds.append(time.monotonic() - fault_end)
+            kill_workers_while_busy(f, engine, out, rng, kills=kills, pause=(0.3, 1.2))
         out.seconds = time.monotonic() - start
         return check(engine, out)
     finally:
@@ -583,16 +598,7 @@ def bad_data(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outco
         ) as f:
             f.start_sweeper()
             kills = max(3, tickets // 100)
-            while not quiet(engine) and out.faults < kills:
-                time.sleep(rng.uniform(0.5, 1.5))
-                i = rng.randrange(len(f.workers))
-                f.workers[i].kill()
-                f.workers[i].wait(10)
-                out.faults += 1
-                f.workers[i] = f.start_worker()
-            fault_end = time.monotonic()
-            drained(engine, f)
-            out.recover_seconds.append(time.monotonic() - fault_end)
+            kill_workers_while_busy(f, engine, out, rng, kills=kills, pause=(0.5, 1.5))
             # with nothing left, a draining worker exits on its own, and cleanly
             drain = spawn(["worker", "--drain"], f.env, log=logs / "drain.log")
             drain_exit = drain.wait(120)
