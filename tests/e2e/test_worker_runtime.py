@@ -11,6 +11,8 @@ the database clock; a heartbeat never calls a settled job lost.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -46,6 +48,18 @@ def seeded(engine: sa.Engine, tickets: int, *, extra: tuple[str, ...] = ()) -> l
         keys = [r[0] for r in conn.execute(sa.text("SELECT id FROM helpdesk.tickets ORDER BY id"))]
         queue.enqueue(conn, [EnqueueRequest.build(key=k) for k in keys], settings=cfg)
     return keys
+
+
+@contextmanager
+def running(worker: Worker) -> Iterator[Worker]:
+    """`worker.run()` on a thread for the block; stopped and joined after it."""
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        yield worker
+    finally:
+        worker.stop.set()
+        thread.join(30)
 
 
 def drain_in_thread(worker: Worker, *, timeout: float) -> RunResult | None:
@@ -132,11 +146,8 @@ def test_jobs_behind_hung_plug_ins_never_lose_attempts(
         backoff_cap_seconds=30,
         shutdown_grace_seconds=0,
     )
-    worker = Worker(settings, db_engine)
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
     good = [k for k in keys if not k.startswith("H")]
-    try:
+    with running(Worker(settings, db_engine)):
         wait_for(
             lambda: (
                 q(
@@ -149,9 +160,6 @@ def test_jobs_behind_hung_plug_ins_never_lose_attempts(
             timeout=90,
             what="every good ticket to be done",
         )
-    finally:
-        worker.stop.set()
-        thread.join(30)
     starts: dict[str, int] = {}
     for marker in started.iterdir():
         key = marker.name.rsplit(".", 1)[0]
@@ -245,18 +253,12 @@ def test_a_lookup_that_finishes_after_its_attempt_was_abandoned_is_logged_and_ch
         backoff_base_seconds=60,
         backoff_cap_seconds=60,
     )
-    worker = Worker(settings, db_engine)
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    try:
+    with running(Worker(settings, db_engine)):
         wait_for(
             lambda: q(db_engine, "SELECT count(*) FROM enrichq.lookup_log") == [(1,)],
             timeout=30,
             what="the late lookup to be logged",
         )
-    finally:
-        worker.stop.set()
-        thread.join(30)
     assert q(db_engine, "SELECT state, attempts FROM enrichq.queue") == [("queued", 1)]
     assert q(db_engine, "SELECT bytes_billed FROM enrichq.budget_ledger") == [(10**9,)]
     assert q(db_engine, "SELECT count(*) FROM enrichq.ticket_orders") == [(0,)]
