@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from functools import cache
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, ExecutionContext, make_url
@@ -16,8 +18,12 @@ from sqlalchemy.engine.default import DefaultDialect
 from enrichq_schema.pooling import PoolMode, install, network_params
 from enrichq_schema.queries import PREPARED_OPTION
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+R = TypeVar("R", bound="DataclassInstance")
 RACE_RERUNS = 5
 # psycopg's prepare_threshold: never prepare by itself, yet honour execute(prepare=True)
 NEVER_AUTO_PREPARE = 2**31 - 1
@@ -257,3 +263,18 @@ def rerun_lost_races(conn: sa.Connection, statement: Callable[[], T]) -> T:
             if constraint_name(exc) != QUEUED_KEY_INDEX or attempt == RACE_RERUNS - 1:
                 raise
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+@cache
+def _field_names(cls: type[DataclassInstance]) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls) if f.init)
+
+
+def as_record(cls: type[R], row: sa.Row[Any]) -> R:
+    """The frozen record `cls` made from `row`: each field from the column of its name.
+
+    A field whose column the statement does not return keeps its default (and one without
+    a default is a TypeError naming it); columns that are not fields are left out.
+    """
+    columns = row._mapping
+    return cls(**{name: columns[name] for name in _field_names(cls) if name in columns})

@@ -19,7 +19,7 @@ from uuid import UUID
 import sqlalchemy as sa
 
 from enrichq_schema import metrics
-from enrichq_schema.db import rerun_lost_races
+from enrichq_schema.db import as_record, rerun_lost_races
 from enrichq_schema.queries import load
 from enrichq_schema.settings import PRIORITY_AGING_SECONDS_DEFAULT
 from enrichq_schema.states import (
@@ -246,24 +246,7 @@ def claim(
             "now": now,
         },
     ).all()
-    jobs = [
-        Job(
-            id=r.id,
-            kind=r.kind,
-            key=r.key,
-            tenant=r.tenant,
-            reason=r.reason,
-            payload=r.payload,
-            attempts=r.attempts,
-            max_attempts=r.max_attempts,
-            claim_token=r.claim_token,
-            lease_expires_at=r.lease_expires_at,
-            created_at=r.created_at,
-            last_error=r.last_error,
-            claimed_at=r.claimed_at,
-        )
-        for r in rows
-    ]
+    jobs = [as_record(Job, r) for r in rows]
     for kind in {j.kind for j in jobs}:
         n = sum(j.kind == kind for j in jobs)
         metrics.claims_total.labels(kind).inc(n)

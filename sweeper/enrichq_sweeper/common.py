@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import sqlalchemy as sa
 
 from enrichq_schema.db import rerun_lost_races
@@ -25,3 +28,29 @@ def set_statement_timeout(conn: sa.Connection, seconds: float) -> None:
 
 # Shared with the queue's own transitions (enrichq_schema.db).
 retry_races = rerun_lost_races
+
+
+# What the run log leaves out of a pass's result: it records a duration of its own, and a
+# stopped pass shows in its stop reason.
+_NOT_COUNTED = frozenset({"duration_seconds", "stopped"})
+
+
+@dataclass(frozen=True, slots=True)
+class BatchedPass:
+    """How a pass that works in bounded batches went (the counts are its subclass's)."""
+
+    batches: int = 0
+    duration_seconds: float = 0.0
+    # the longest a batch held its row locks, from its write's first lock to its commit
+    max_batch_seconds: float = 0.0
+    stopped: bool = False
+
+    def counts(self) -> dict[str, float]:
+        """The figures the pass's run-log row records: every count, and the longest batch."""
+        values: dict[str, float] = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in _NOT_COUNTED
+        }
+        values["max_batch_seconds"] = round(self.max_batch_seconds, 6)
+        return values

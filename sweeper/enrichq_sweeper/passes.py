@@ -7,12 +7,14 @@ logged and recorded with stop reason `error`; it never stops the scheduler.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
+from typing import Concatenate, ParamSpec, TypedDict, Unpack, cast
 
 import sqlalchemy as sa
 
@@ -52,6 +54,10 @@ class PassReport:
         return self.stop_reason is not StopReason.ERROR
 
 
+# What a pass's body returns: its run-log counts, and whether it was asked to stop.
+PassCounts = tuple[dict[str, float], bool]
+
+
 def _counts(task: Task, duration: float, **values: float) -> dict[str, object]:
     base: dict[str, object] = {
         "task": task.value,
@@ -68,7 +74,7 @@ def _counts(task: Task, duration: float, **values: float) -> dict[str, object]:
 def run_pass(
     engine: sa.Engine,
     task: Task,
-    body: Callable[[], tuple[dict[str, float], bool]],
+    body: Callable[[], PassCounts],
     *,
     owner: str | None = None,
 ) -> PassReport:
@@ -105,127 +111,114 @@ def run_pass(
     return PassReport(task, stop_reason, counts, error)
 
 
+class PassOptions(TypedDict, total=False):
+    """What every pass takes beside its engine and settings (each may be left out)."""
+
+    now: datetime | None  # a test's clock; None = the database's
+    should_stop: Callable[[], bool] | None  # asked between batches: end the pass early
+    owner: str | None  # the run log's owner; None = this process
+
+
+P = ParamSpec("P")
+
+
+def logged(
+    task: Task,
+) -> Callable[
+    [Callable[Concatenate[sa.Engine, Settings, P], PassCounts]],
+    Callable[Concatenate[sa.Engine, Settings, P], PassReport],
+]:
+    """The pass whose work is the decorated body, run inside its run-log row (`run_pass`)."""
+
+    def decorate(
+        body: Callable[Concatenate[sa.Engine, Settings, P], PassCounts],
+    ) -> Callable[Concatenate[sa.Engine, Settings, P], PassReport]:
+        @functools.wraps(body)
+        def logged_pass(
+            engine: sa.Engine, settings: Settings, /, *args: P.args, **kwargs: P.kwargs
+        ) -> PassReport:
+            owner = cast("str | None", kwargs.get("owner"))
+            work = functools.partial(body, engine, settings, *args, **kwargs)
+            return run_pass(engine, task, work, owner=owner)
+
+        return logged_pass
+
+    return decorate
+
+
+@logged(Task.RECOVERY)
 def recovery_pass(
     engine: sa.Engine,
     settings: Settings,
     *,
     gave_up_hook: recovery.GaveUpHook | None = recovery.log_gave_up,
-    now: datetime | None = None,
-    should_stop: Callable[[], bool] | None = None,
-    owner: str | None = None,
-) -> PassReport:
+    **options: Unpack[PassOptions],
+) -> PassCounts:
     """One lease-recovery pass, logged and counted."""
-
-    def body() -> tuple[dict[str, float], bool]:
-        result = recovery.run_once(
-            engine,
-            now=now,
-            gave_up_hook=gave_up_hook,
-            statement_timeout_seconds=settings.statement_timeout_seconds,
-            should_stop=should_stop,
+    result = recovery.run_once(
+        engine,
+        now=options.get("now"),
+        gave_up_hook=gave_up_hook,
+        statement_timeout_seconds=settings.statement_timeout_seconds,
+        should_stop=options.get("should_stop"),
+    )
+    metrics.sweeper_lease_expiries_total.inc(result.recovered)
+    metrics.sweeper_promoted_total.inc(result.promoted)
+    for reason, n in (
+        (DeadReason.SUPERSEDED, result.superseded),
+        (DeadReason.ATTEMPTS_EXHAUSTED, result.exhausted),
+    ):
+        metrics.sweeper_dead_letters_total.labels(reason.value).inc(n)
+    if result.recovered:
+        log.info(
+            "recovered %d expired lease(s): %d promoted, %d superseded, %d exhausted",
+            result.recovered,
+            result.promoted,
+            result.superseded,
+            result.exhausted,
         )
-        metrics.sweeper_lease_expiries_total.inc(result.recovered)
-        metrics.sweeper_promoted_total.inc(result.promoted)
-        metrics.sweeper_dead_letters_total.labels(DeadReason.SUPERSEDED.value).inc(
-            result.superseded
-        )
-        metrics.sweeper_dead_letters_total.labels(DeadReason.ATTEMPTS_EXHAUSTED.value).inc(
-            result.exhausted
-        )
-        if result.recovered:
-            log.info(
-                "recovered %d expired lease(s): %d promoted, %d superseded, %d exhausted",
-                result.recovered,
-                result.promoted,
-                result.superseded,
-                result.exhausted,
-            )
-        values = {
-            "promoted": result.promoted,
-            "superseded": result.superseded,
-            "exhausted": result.exhausted,
-            "batches": result.batches,
-            "max_batch_seconds": round(result.max_batch_seconds, 6),
-            "hook_errors": result.hook_errors,
-        }
-        return values, result.stopped
-
-    return run_pass(engine, Task.RECOVERY, body, owner=owner)
+    return result.counts(), result.stopped
 
 
-def retention_pass(
-    engine: sa.Engine,
-    settings: Settings,
-    *,
-    now: datetime | None = None,
-    should_stop: Callable[[], bool] | None = None,
-    owner: str | None = None,
-) -> PassReport:
-    """One retention pass, logged and counted."""
-
-    def body() -> tuple[dict[str, float], bool]:
-        result = retention.run_once(
-            engine,
-            retention_days=settings.retention_days,
-            dead_letter_retention_days=settings.dead_letter_retention_days,
-            now=now,
-            statement_timeout_seconds=settings.statement_timeout_seconds,
-            should_stop=should_stop,
-            event_dedupe_hours=settings.event_dedupe_hours,
-        )
-        for state in ("done", "failed", "dead_letter"):
-            metrics.sweeper_pruned_total.labels(state).inc(getattr(result, state))
-        if result.pruned:
-            log.info("pruned %d queue row(s) past retention", result.pruned)
-        values = {
-            "pruned": result.pruned,
-            "done": result.done,
-            "failed": result.failed,
-            "dead_letter": result.dead_letter,
-            "tenant_served": result.tenant_served,
-            "lookup_log": result.lookup_log,
-            "runs": result.runs,
-            "seen_events": result.seen_events,
-            "batches": result.batches,
-            "max_batch_seconds": round(result.max_batch_seconds, 6),
-        }
-        return values, result.stopped
-
-    return run_pass(engine, Task.RETENTION, body, owner=owner)
-
-
+@logged(Task.REFRESH)
 def refresh_pass(
-    engine: sa.Engine,
-    settings: Settings,
-    *,
-    now: datetime | None = None,
-    owner: str | None = None,
-) -> PassReport:
-    """One refresh-enqueue pass, logged and counted."""
-
-    def body() -> tuple[dict[str, float], bool]:
-        enqueued = refresh.run_once(engine, settings, now=now)
-        metrics.sweeper_refresh_enqueued_total.inc(enqueued)
-        if enqueued:
-            log.info("enqueued %d refresh row(s)", enqueued)
-        return {"enqueued": enqueued}, False
-
-    return run_pass(engine, Task.REFRESH, body, owner=owner)
+    engine: sa.Engine, settings: Settings, **options: Unpack[PassOptions]
+) -> PassCounts:
+    """One refresh-enqueue pass (one statement: `should_stop` is not asked), logged and counted."""
+    enqueued = refresh.run_once(engine, settings, now=options.get("now"))
+    metrics.sweeper_refresh_enqueued_total.inc(enqueued)
+    if enqueued:
+        log.info("enqueued %d refresh row(s)", enqueued)
+    return {"enqueued": enqueued}, False
 
 
+@logged(Task.RETENTION)
+def retention_pass(
+    engine: sa.Engine, settings: Settings, **options: Unpack[PassOptions]
+) -> PassCounts:
+    """One retention pass, logged and counted."""
+    result = retention.run_once(
+        engine,
+        retention_days=settings.retention_days,
+        dead_letter_retention_days=settings.dead_letter_retention_days,
+        now=options.get("now"),
+        statement_timeout_seconds=settings.statement_timeout_seconds,
+        should_stop=options.get("should_stop"),
+        event_dedupe_hours=settings.event_dedupe_hours,
+    )
+    for state in ("done", "failed", "dead_letter"):
+        metrics.sweeper_pruned_total.labels(state).inc(getattr(result, state))
+    if result.pruned:
+        log.info("pruned %d queue row(s) past retention", result.pruned)
+    return result.counts(), result.stopped
+
+
+@logged(Task.COUNTS)
 def counts_pass(
-    engine: sa.Engine,
-    settings: Settings,
-    *,
-    now: datetime | None = None,
-    owner: str | None = None,
-) -> PassReport:
-    """One recount of the terminal rows for /metrics, logged."""
-
-    def body() -> tuple[dict[str, float], bool]:
-        groups = counts.run_once(
-            engine, statement_timeout_seconds=settings.statement_timeout_seconds, now=now
-        )
-        return {"groups": groups}, False
-
-    return run_pass(engine, Task.COUNTS, body, owner=owner)
+    engine: sa.Engine, settings: Settings, **options: Unpack[PassOptions]
+) -> PassCounts:
+    """One recount of the terminal rows for /metrics (one statement), logged."""
+    timeout = settings.statement_timeout_seconds
+    return {
+        "groups": counts.run_once(engine, statement_timeout_seconds=timeout, now=options.get("now"))
+    }, False

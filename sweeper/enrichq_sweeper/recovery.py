@@ -20,11 +20,13 @@ from typing import Any, cast
 
 import sqlalchemy as sa
 
+from enrichq_schema.db import as_record
 from enrichq_schema.process import PluginError, load_callable
 from enrichq_schema.states import LEASE_EXPIRED_ERROR, NOTIFY_CHANNEL
 from enrichq_sweeper.common import (
     DEFAULT_BATCH_SIZE,
     STATEMENT_TIMEOUT_SECONDS_DEFAULT,
+    BatchedPass,
     retry_races,
     set_statement_timeout,
     sql,
@@ -76,18 +78,14 @@ class BatchOutcome:
 
 
 @dataclass(frozen=True, slots=True)
-class RecoveryResult:
-    """One pass of lease recovery: what it did and how long its batches held their locks."""
+class RecoveryResult(BatchedPass):
+    """One pass of lease recovery: what became of the expired leases it found."""
 
     promoted: int = 0
     superseded: int = 0
     exhausted: int = 0
-    batches: int = 0
-    duration_seconds: float = 0.0
-    max_batch_seconds: float = 0.0
     max_batch_rows: int = 0
     hook_errors: int = 0
-    stopped: bool = False
 
     @property
     def recovered(self) -> int:
@@ -169,19 +167,7 @@ def recover_batch(
         elif r.action == "supersede":
             superseded.append((r.id, r.winner))
         else:
-            exhausted.append(
-                GaveUp(
-                    id=r.id,
-                    kind=r.kind,
-                    key=r.key,
-                    tenant=r.tenant,
-                    attempts=r.attempts,
-                    max_attempts=r.max_attempts,
-                    lease_owner=r.lease_owner,
-                    lease_expires_at=r.lease_expires_at,
-                    payload=r.payload,
-                )
-            )
+            exhausted.append(as_record(GaveUp, r))
     return BatchOutcome(tuple(promoted), tuple(superseded), tuple(exhausted), frozenset(kinds))
 
 

@@ -19,6 +19,7 @@ from enrichq_schema.settings import EVENT_DEDUPE_HOURS_DEFAULT
 from enrichq_sweeper.common import (
     DEFAULT_BATCH_SIZE,
     STATEMENT_TIMEOUT_SECONDS_DEFAULT,
+    BatchedPass,
     set_statement_timeout,
     sql,
 )
@@ -30,8 +31,13 @@ TENANT_SERVED_RETENTION_SECONDS = 2 * SECONDS_PER_DAY
 
 
 @dataclass(frozen=True, slots=True)
-class PruneResult:
+class PruneResult(BatchedPass):
     """One retention pass: rows deleted per table (queue rows by state)."""
+
+    @property
+    def pruned(self) -> int:
+        """Queue rows deleted."""
+        return self.done + self.failed + self.dead_letter
 
     done: int = 0
     failed: int = 0
@@ -40,15 +46,10 @@ class PruneResult:
     lookup_log: int = 0
     runs: int = 0
     seen_events: int = 0
-    batches: int = 0
-    duration_seconds: float = 0.0
-    max_batch_seconds: float = 0.0
-    stopped: bool = False
 
-    @property
-    def pruned(self) -> int:
-        """Queue rows deleted."""
-        return self.done + self.failed + self.dead_letter
+    def counts(self) -> dict[str, float]:
+        """What the run log records: the rows deleted per table, and their queue total."""
+        return {**BatchedPass.counts(self), "pruned": self.pruned}
 
 
 def _statement(name: str) -> sa.TextClause:
@@ -116,16 +117,11 @@ def run_once(
             batches += 1 if page else 0
             if page < batch_size:
                 break
+    # one count per table (per state for the queue), named like the result's fields
     return PruneResult(
-        done=deleted["done"],
-        failed=deleted["failed"],
-        dead_letter=deleted["dead_letter"],
-        tenant_served=deleted["tenant_served"],
-        lookup_log=deleted["lookup_log"],
-        runs=deleted["runs"],
-        seen_events=deleted["seen_events"],
         batches=batches,
         duration_seconds=time.perf_counter() - started,
         max_batch_seconds=max_held,
         stopped=stopped,
+        **deleted,
     )
