@@ -7,10 +7,10 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 import click
 
@@ -21,6 +21,8 @@ from enrichq_schema.states import AuditCommand, DeadReason, Kind, Reason
 if TYPE_CHECKING:
     from enrichq_schema.settings import Settings
 
+# A file that `enrichq parity` writes (or, for --accept, reads).
+REPORT_FILE = click.Path(dir_okay=False, path_type=Path)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -284,9 +286,23 @@ the action is recorded in the audit log (`enrichq audit`).
 """
 
 
-def filter_options(
-    reasons: list[str], reason_help: str, older_help: str
-) -> Callable[[Callable[..., None]], Callable[..., None]]:
+ACTOR_OPTION = click.option("--actor", default=None, help="Who does this (default: the OS user).")
+JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+Decorator = Callable[[Callable[..., None]], Callable[..., None]]
+
+
+def stacked(options: Sequence[Decorator]) -> Decorator:
+    """One decorator applying `options` as if stacked in that order above a command."""
+
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return decorate
+
+
+def filter_options(reasons: list[str], reason_help: str, older_help: str) -> Decorator:
     """The options every filtered action takes (enrichq_sweeper.filters reads them)."""
     options = [
         click.option(
@@ -299,16 +315,23 @@ def filter_options(
         click.option("--older-than", metavar="DURATION", default=None, help=older_help),
         click.option("--all", "all_rows", is_flag=True, help="Every row (alone)."),
         click.option("--dry-run", is_flag=True, help="Count and show a sample; change nothing."),
-        click.option("--actor", default=None, help="Who does this (default: the OS user)."),
-        click.option("--json", "as_json", is_flag=True, help="Print the result as JSON."),
+        ACTOR_OPTION,
+        JSON_OPTION,
     ]
+    return stacked(options)
 
-    def decorate(command: Callable[..., None]) -> Callable[..., None]:
-        for option in reversed(options):
-            command = option(command)
-        return command
 
-    return decorate
+# The filter of cancel (queued and leased rows), and of dlq redrive and discard.
+open_row_filter = filter_options(
+    [r.value for r in Reason],
+    "Why it was enqueued.",
+    "Enqueued more than DURATION ago (90m, 2h, 7d).",
+)
+dead_letter_filter = filter_options(
+    [r.value for r in DeadReason],
+    "Why it died.",
+    "Dead-lettered more than DURATION ago (90m, 2h, 7d).",
+)
 
 
 def _control(
@@ -352,11 +375,7 @@ def _control(
 
 
 @dlq.command("redrive", epilog=FILTER_HELP)
-@filter_options(
-    [r.value for r in DeadReason],
-    "Why it died.",
-    "Dead-lettered more than DURATION ago (90m, 2h, 7d).",
-)
+@dead_letter_filter
 @pass_context
 def dlq_redrive(ctx: Context, /, **options: Any) -> None:
     """Put dead letters matching FILTER back in the queue with fresh attempts.
@@ -368,11 +387,7 @@ def dlq_redrive(ctx: Context, /, **options: Any) -> None:
 
 
 @dlq.command("discard", epilog=FILTER_HELP)
-@filter_options(
-    [r.value for r in DeadReason],
-    "Why it died.",
-    "Dead-lettered more than DURATION ago (90m, 2h, 7d).",
-)
+@dead_letter_filter
 @pass_context
 def dlq_discard(ctx: Context, /, **options: Any) -> None:
     """Delete dead letters matching FILTER (for good: there is no undo)."""
@@ -380,11 +395,7 @@ def dlq_discard(ctx: Context, /, **options: Any) -> None:
 
 
 @cli.command(epilog=FILTER_HELP)
-@filter_options(
-    [r.value for r in Reason],
-    "Why it was enqueued.",
-    "Enqueued more than DURATION ago (90m, 2h, 7d).",
-)
+@open_row_filter
 @pass_context
 def cancel(ctx: Context, /, **options: Any) -> None:
     """Cancel queued and leased rows matching FILTER: they become dead letters (cancelled).
@@ -420,62 +431,64 @@ def _actor(command: str, actor: str | None) -> str:
         fail(f"{command}: {exc}; nothing changed")
 
 
+class ScopeOptions(TypedDict):
+    """What pause and resume both take: the scope, who acts, and how to print."""
+
+    kind: str | None
+    tenant: str | None
+    actor: str | None
+    as_json: bool
+
+
+def scope_options(whose: str) -> Decorator:
+    """The options of `ScopeOptions`; `whose` says whose kind and tenant they name."""
+    kinds = click.Choice([k.value for k in Kind])
+    options = [
+        click.option("--kind", type=kinds, help=f"{whose.capitalize()} kind."),
+        click.option("--tenant", default=None, help=f"{whose.capitalize()} brand or account."),
+        ACTOR_OPTION,
+        JSON_OPTION,
+    ]
+    return stacked(options)
+
+
 @cli.command(epilog=PAUSE_HELP)
-@click.option("--kind", type=click.Choice([k.value for k in Kind]), help="Only this kind.")
-@click.option("--tenant", default=None, help="Only this brand or account.")
+@scope_options("only this")
 @click.option("--reason", default=None, help="Why (shown by status and the audit log).")
-@click.option("--actor", default=None, help="Who does this (default: the OS user).")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @pass_context
-def pause(
-    ctx: Context,
-    *,
-    kind: str | None,
-    tenant: str | None,
-    reason: str | None,
-    actor: str | None,
-    as_json: bool,
-) -> None:
+def pause(ctx: Context, /, *, reason: str | None, **scope: Unpack[ScopeOptions]) -> None:
     """Stop workers claiming work of a kind, a tenant, both, or (neither given) all work."""
     from enrichq_sweeper.pauses import PauseError, check_reason, pause_cli
 
-    scope = _pause_scope("pause", kind, tenant)
-    who = _actor("pause", actor)
+    paused = _pause_scope("pause", scope["kind"], scope["tenant"])
+    who = _actor("pause", scope["actor"])
     try:
         reason = check_reason(reason)
     except PauseError as exc:
         fail(f"pause: {exc}; nothing changed")
     settings = ctx.settings
     with ctx.database() as url:
-        sys.exit(pause_cli(settings, url, scope, actor=who, reason=reason, as_json=as_json))
+        sys.exit(
+            pause_cli(settings, url, paused, actor=who, reason=reason, as_json=scope["as_json"])
+        )
 
 
 @cli.command(epilog=PAUSE_HELP)
-@click.option("--kind", type=click.Choice([k.value for k in Kind]), help="The paused kind.")
-@click.option("--tenant", default=None, help="The paused brand or account.")
+@scope_options("the paused")
 @click.option("--all", "all_pauses", is_flag=True, help="Every pause in place (alone).")
-@click.option("--actor", default=None, help="Who does this (default: the OS user).")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @pass_context
-def resume(
-    ctx: Context,
-    *,
-    kind: str | None,
-    tenant: str | None,
-    all_pauses: bool,
-    actor: str | None,
-    as_json: bool,
-) -> None:
+def resume(ctx: Context, /, *, all_pauses: bool, **scope: Unpack[ScopeOptions]) -> None:
     """Resume the pause of exactly this scope (as it was paused), or --all of them."""
     from enrichq_sweeper.pauses import resume_cli
 
+    kind, tenant = scope["kind"], scope["tenant"]
     if all_pauses and (kind is not None or tenant is not None):
         fail("resume: --all stands alone (no --kind or --tenant); nothing changed")
-    scope = None if all_pauses else _pause_scope("resume", kind, tenant)
-    who = _actor("resume", actor)
+    paused = None if all_pauses else _pause_scope("resume", kind, tenant)
+    who = _actor("resume", scope["actor"])
     settings = ctx.settings
     with ctx.database() as url:
-        sys.exit(resume_cli(settings, url, scope, actor=who, as_json=as_json))
+        sys.exit(resume_cli(settings, url, paused, actor=who, as_json=scope["as_json"]))
 
 
 @cli.command()
@@ -509,55 +522,35 @@ def _parse_day(value: str | None, name: str) -> Any:
 @cli.group(invoke_without_command=True)
 @click.option("--since", help="Start of the window (YYYY-MM-DD or ISO time, UTC); default 7 days.")
 @click.option("--until", help="End of the window (exclusive); default now.")
+@click.option("--json", "json_path", type=REPORT_FILE, help="Write the JSON report.")
 @click.option(
-    "--json",
-    "json_path",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Write the JSON report.",
-)
-@click.option(
-    "--html",
-    "html_path",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Write the HTML report (one self-contained file).",
+    "--html", "html_path", type=REPORT_FILE, help="Write the HTML report (one self-contained file)."
 )
 @click.option(
     "--csv",
     "csv_path",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=REPORT_FILE,
     help="Export every differing ticket (class, fault, accepting rules, order ids).",
 )
 @click.option(
     "--accept",
     "accept_path",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=REPORT_FILE,
     help="TOML file of reviewed differences to accept (docs/cutover.md).",
 )
 @click.pass_context
 def parity(
-    click_ctx: click.Context,
-    *,
-    since: str | None,
-    until: str | None,
-    json_path: Path | None,
-    html_path: Path | None,
-    csv_path: Path | None,
-    accept_path: Path | None,
+    click_ctx: click.Context, /, *, since: str | None, until: str | None, **files: Path | None
 ) -> None:
     """Compare shadow output with legacy output (exit 1 below the bars); review the runs.
 
     Without a command, runs a comparison. The commands sign and list recorded runs.
     """
-    options = {
-        "--since": since,
-        "--until": until,
-        "--json": json_path,
-        "--html": html_path,
-        "--csv": csv_path,
-        "--accept": accept_path,
-    }
     if click_ctx.invoked_subcommand is not None:
-        given = [name for name, value in options.items() if value is not None]
+        window = {"since": since, "until": until}
+        given = [f"--{name}" for name, value in window.items() if value is not None]
+        # the file options are named --X for their X_path
+        given += [f"--{name.removesuffix('_path')}" for name, p in files.items() if p is not None]
         if given:
             verb = "belongs" if len(given) == 1 else "belong"
             fail(
@@ -575,18 +568,7 @@ def parity(
     assert ctx is not None  # the root command always sets it
     settings = ctx.settings
     with ctx.database() as url:
-        sys.exit(
-            run_cli(
-                settings,
-                url,
-                since=since_at,
-                until=until_at,
-                json_path=json_path,
-                html_path=html_path,
-                csv_path=csv_path,
-                accept_path=accept_path,
-            )
-        )
+        sys.exit(run_cli(settings, url, since=since_at, until=until_at, **files))
 
 
 @parity.command("approve", short_help="Sign a reviewed run (cutover needs one).")

@@ -152,8 +152,7 @@ def cancel_batch(
     conn: sa.Connection, flt: Filter, ids: Sequence[int], *, now: datetime | None = None
 ) -> dict[str, int]:
     """Cancel the rows of `ids` that still match `flt` (caller's transaction)."""
-    _check_scope(flt, Scope.OPEN)
-    params = {**flt.params(), "batch_ids": list(ids), "now": now}
+    params = _batch_params(flt, Scope.OPEN, ids, now)
     row = conn.execute(sql()("controls_cancel_batch"), params).one()
     return {"queued": int(row.queued), "leased": int(row.leased)}
 
@@ -162,10 +161,8 @@ def discard_batch(
     conn: sa.Connection, flt: Filter, ids: Sequence[int], *, now: datetime | None = None
 ) -> dict[str, int]:
     """Delete the dead letters of `ids` that still match `flt` (caller's transaction)."""
-    _check_scope(flt, Scope.DEAD)
-    params = {**flt.params(), "batch_ids": list(ids), "now": now}
-    row = conn.execute(sql()("controls_discard_batch"), params).one()
-    return {"discarded": int(row.discarded)}
+    row = conn.execute(sql()("controls_discard_batch"), _batch_params(flt, Scope.DEAD, ids, now))
+    return {"discarded": int(row.one().discarded)}
 
 
 def redrive_batch(
@@ -178,23 +175,20 @@ def redrive_batch(
 ) -> dict[str, int]:
     """Redrive the dead letters of `ids` that still match `flt`; `winners[i]` is the newest
     matching id of `ids[i]`'s ticket, the one that is redriven (caller's transaction)."""
-    _check_scope(flt, Scope.DEAD)
     if len(ids) != len(winners):
         raise ValueError("ids and winners must be parallel")
-    params = {
-        **flt.params(),
-        "batch_ids": list(ids),
-        "winners": list(winners),
-        "channel": NOTIFY_CHANNEL,
-        "now": now,
-    }
+    params = _batch_params(flt, Scope.DEAD, ids, now, winners=list(winners), channel=NOTIFY_CHANNEL)
     row = retry_races(conn, lambda: conn.execute(sql()("controls_redrive_batch"), params).one())
     return {"redriven": int(row.redriven), "merged": int(row.merged)}
 
 
-def _check_scope(flt: Filter, scope: Scope) -> None:
+def _batch_params(
+    flt: Filter, scope: Scope, ids: Sequence[int], now: datetime | None, **extra: object
+) -> dict[str, object]:
+    """The binds of a batch statement over `ids`; FilterError when `flt` is not of `scope`."""
     if flt.scope is not scope:
         raise FilterError(f"this action needs a filter of scope {scope.value!r}")
+    return {**flt.params(), "batch_ids": list(ids), "now": now, **extra}
 
 
 def run(

@@ -14,9 +14,10 @@ lease has run out, so after a leader dies outright another leads within one leas
 
 from __future__ import annotations
 
+import abc
 import logging
 import time
-from typing import Protocol
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -36,19 +37,47 @@ SWEEPER_LEASE_NAME = "sweeper"
 LEASE_CHECKS = 6
 
 
-class Leadership(Protocol):
-    """What the sweeper needs of its leadership, whichever way it is held."""
+class Leadership(abc.ABC):
+    """The sweeper's leadership, whichever way it is held: what this process believes of
+    it, and taking it without waiting (`_take`, once per try while not held)."""
+
+    _held = False
 
     @property
-    def held(self) -> bool: ...
+    def held(self) -> bool:
+        """Whether this process believes it leads (see `still_held`)."""
+        return self._held
 
-    def try_acquire(self) -> bool: ...
+    def try_acquire(self) -> bool:
+        """Lead if nobody does; never waits. Connection errors propagate."""
+        if not self._held:
+            self._held = self._take()
+        return self._held
 
-    def still_held(self) -> bool: ...
+    @staticmethod
+    def _engine_for(settings: Settings, url: str, owner: str, **options: Any) -> sa.Engine:
+        """The one-connection engine the leadership is held over."""
+        from enrichq_schema.connections import create_engine
 
-    def release(self) -> None: ...
+        # application_name shows who leads in pg_stat_activity (Postgres keeps 63 bytes).
+        name = f"enrichq-sweeper {owner}"[:63]
+        return create_engine(settings, url, application_name=name, pool_size=1, **options)
 
-    def close(self) -> None: ...
+    @abc.abstractmethod
+    def _take(self) -> bool:
+        """One try at leading: whether it succeeded."""
+
+    @abc.abstractmethod
+    def still_held(self) -> bool:
+        """Whether this process still leads; False (and let go) when it cannot tell."""
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Stop leading (a no-op when not leading), so another replica leads at once."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop leading and close the connection."""
 
 
 def leadership(
@@ -60,39 +89,21 @@ def leadership(
     return LeaderLock(settings, url, owner=owner)
 
 
-class LeaderLock:
+class LeaderLock(Leadership):
     """The sweeper leader lock, held on its own connection of `url`."""
 
     def __init__(
         self, settings: Settings, url: str, *, owner: str, lock_id: int = SWEEPER_LOCK_ID
     ) -> None:
-        from enrichq_schema.connections import create_engine
-
         self.lock_id = lock_id
-        # application_name shows who leads in pg_stat_activity (Postgres keeps 63 bytes).
-        self._engine = create_engine(
-            settings,
-            url,
-            application_name=f"enrichq-sweeper {owner}"[:63],
-            pool_size=1,
-            isolation_level="AUTOCOMMIT",
-        )
+        self._engine = self._engine_for(settings, url, owner, isolation_level="AUTOCOMMIT")
         self._conn: sa.Connection | None = None
-        self._held = False
 
-    @property
-    def held(self) -> bool:
-        """Whether this process believes it holds the lock (see `still_held`)."""
-        return self._held
-
-    def try_acquire(self) -> bool:
-        """Take the lock if nobody holds it; never waits. Connection errors propagate."""
-        if self._held:
-            return True
+    def _take(self) -> bool:
         if self._conn is None:
             self._conn = self._engine.connect()
         try:
-            got = bool(
+            return bool(
                 self._conn.execute(
                     sql()("sweeper_advisory_lock"), {"lock_id": self.lock_id}
                 ).scalar_one()
@@ -100,8 +111,6 @@ class LeaderLock:
         except Exception:
             self._drop()
             raise
-        self._held = got
-        return got
 
     def still_held(self) -> bool:
         """Ask the server whether the lock's session is alive; False (and let go) if not."""
@@ -145,7 +154,7 @@ class LeaderLock:
             self._conn = None
 
 
-class LeaderLease:
+class LeaderLease(Leadership):
     """The sweeper's leadership as a lease row of `enrichq.leader_leases` (transaction
     pooling). `still_held` renews it; a renewal that fails, or none that succeeded within
     half the lease, gives it up here, well before the row runs out for the others."""
@@ -159,32 +168,12 @@ class LeaderLease:
         ttl_seconds: float,
         name: str = SWEEPER_LEASE_NAME,
     ) -> None:
-        from enrichq_schema.connections import create_engine
-
         self.name = name
         self.owner = owner
         self.ttl_seconds = ttl_seconds
-        self._engine = create_engine(
-            settings,
-            url,
-            application_name=f"enrichq-sweeper {owner}"[:63],
-            pool_size=1,
-            statement_timeout_seconds=settings.statement_timeout_seconds,
-        )
-        self._held = False
+        timeout = settings.statement_timeout_seconds
+        self._engine = self._engine_for(settings, url, owner, statement_timeout_seconds=timeout)
         self._renewed = 0.0  # time.monotonic() before the last renewal that succeeded
-
-    @property
-    def held(self) -> bool:
-        """Whether this process believes it holds the lease (see `still_held`)."""
-        return self._held
-
-    def try_acquire(self) -> bool:
-        """Take the lease if it is free or has run out; never waits. Errors propagate."""
-        if self._held:
-            return True
-        self._held = self._take()
-        return self._held
 
     def still_held(self) -> bool:
         """Renew the lease; False (and let go) when someone else holds it, the renewal

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import pytest
 import sqlalchemy as sa
+from tests.support.db import lock_waiters
 from tests.support.procs import wait_for
 from tests.support.settings import make_settings
 
@@ -123,20 +124,6 @@ def test_a_cancel_racing_a_settle_never_deadlocks_nor_fails(db_engine: sa.Engine
         assert cancelled == {"queued": 0, "leased": JOBS - len(won)}
 
 
-def waiting_on_a_lock(engine: sa.Engine) -> Callable[[], bool]:
-    def check() -> bool:
-        with engine.connect() as conn:
-            n = conn.execute(
-                sa.text(
-                    "SELECT count(*) FROM pg_stat_activity"
-                    " WHERE wait_event_type = 'Lock' AND datname = current_database()"
-                )
-            ).scalar()
-        return n == 1
-
-    return check
-
-
 @pytest.mark.parametrize("first", ["settle", "cancel"])
 def test_whoever_commits_first_wins_and_the_other_waits_then_steps_aside(
     db_engine: sa.Engine, first: str
@@ -154,7 +141,7 @@ def test_whoever_commits_first_wins_and_the_other_waits_then_steps_aside(
     else:
         controls.cancel_batch(holder, flt, selection.ids)
         second = lambda: settle(db_engine, jobs)  # noqa: E731
-    [result] = run_in_background(second, until=waiting_on_a_lock(db_engine))
+    [result] = run_in_background(second, until=lambda: lock_waiters(db_engine) == 1)
     if first == "settle":
         holder.execute(RESULT, {"ids": sorted(won)})
     tx.commit()

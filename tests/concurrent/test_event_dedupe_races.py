@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from tests.support.db import lock_waiters
 from tests.support.procs import wait_for
 from tests.support.settings import make_settings
 
@@ -67,17 +68,6 @@ def test_racing_redeliveries_of_one_id_enqueue_once(db_url: str, db_engine: sa.E
         assert n == 1
 
 
-def waiting(engine: sa.Engine) -> bool:
-    with engine.connect() as conn:
-        n = conn.execute(
-            sa.text(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                " AND datname = current_database()"
-            )
-        ).scalar()
-    return n == 1
-
-
 @pytest.mark.parametrize("fate", ["commit", "rollback"])
 def test_a_redelivery_waits_for_the_first_delivery_and_follows_its_fate(
     db_url: str, db_engine: sa.Engine, fate: str
@@ -91,7 +81,9 @@ def test_a_redelivery_waits_for_the_first_delivery_and_follows_its_fate(
     box: list[Any] = []
     thread = threading.Thread(target=lambda: box.append(deliver(db_engine, settings, "evt-1", "B")))
     thread.start()
-    wait_for(partial(waiting, db_engine), what="the redelivery to wait for the first delivery")
+    wait_for(
+        lambda: lock_waiters(db_engine) == 1, what="the redelivery to wait for the first delivery"
+    )
     if fate == "commit":
         tx.commit()
     else:

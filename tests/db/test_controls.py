@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from tests.support.db import lock_waiters
 from tests.support.procs import wait_for
 from tests.support.settings import make_settings
 
@@ -402,20 +403,14 @@ def test_a_batch_locks_its_rows_in_key_kind_id_order(db_engine: sa.Engine) -> No
     worker = threading.Thread(target=cancel)
     worker.start()
     try:
-        with db_engine.connect() as probe:
-            waiting = sa.text(
-                "SELECT count(*) FROM pg_stat_activity"
-                " WHERE wait_event_type = 'Lock' AND datname = current_database()"
-            )
-            wait_for(lambda: probe.execute(waiting).scalar() == 1, what="the cancel to wait")
-            probe.rollback()
-            with probe.begin():
-                free = {
-                    r.key
-                    for r in probe.execute(
-                        sa.text("SELECT key FROM enrichq.queue FOR UPDATE SKIP LOCKED")
-                    )
-                }
+        wait_for(lambda: lock_waiters(db_engine) == 1, what="the cancel to wait")
+        with db_engine.connect() as probe, probe.begin():
+            free = {
+                r.key
+                for r in probe.execute(
+                    sa.text("SELECT key FROM enrichq.queue FOR UPDATE SKIP LOCKED")
+                )
+            }
         assert free == {"T-4", "T-5"}
     finally:
         blocker_tx.rollback()

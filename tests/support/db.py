@@ -25,3 +25,17 @@ def insert_expired_leases(engine: sa.Engine, keys: list[str]) -> None:
             ),
             [{"key": key} for key in keys],
         )
+
+
+def lock_waiters(engine: sa.Engine) -> int:
+    """Sessions of this database waiting for a lock now. Each call reads pg_stat_activity
+    in a transaction of its own: within one transaction it is a snapshot that never moves."""
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM pg_stat_activity"
+                    " WHERE wait_event_type = 'Lock' AND datname = current_database()"
+                )
+            ).scalar_one()
+        )
