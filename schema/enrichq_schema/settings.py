@@ -10,9 +10,18 @@ import re
 from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -57,6 +66,8 @@ NETWORK_TIMEOUT_SECONDS_DEFAULT = 10
 NETWORK_TIMEOUT_SECONDS_MAX = 600
 # one part of a warehouse table's name; every part is quoted by the warehouse's dialect
 WAREHOUSE_NAME_PART = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+# a share of a whole, 0 to 1 (the parity bars)
+Fraction = Annotated[float, Field(ge=0, le=1)]
 
 
 class Mode(StrEnum):
@@ -99,56 +110,53 @@ class Settings(BaseSettings):
         description="session, or transaction behind a transaction pooler (PgBouncer): "
         "settings per transaction, nothing prepared, sweeper leadership by a lease row.",
     )
-    network_timeout_seconds: float = Field(
+    network_timeout_seconds: Annotated[float, Field(ge=0, le=NETWORK_TIMEOUT_SECONDS_MAX)] = Field(
         default=NETWORK_TIMEOUT_SECONDS_DEFAULT,
-        ge=0,
-        le=NETWORK_TIMEOUT_SECONDS_MAX,
         description="How long a dead network or a silent server may go unnoticed "
         "(keepalives, tcp_user_timeout, connect_timeout, reply waits); 0 = libpq's defaults.",
     )
     mode: Mode = Field(default=Mode.SHADOW, description="shadow (default) or live.")
-    lease_seconds: float = Field(default=LEASE_SECONDS_DEFAULT, gt=0, description="Lease length.")
-    heartbeat_seconds: float = Field(
-        default=HEARTBEAT_SECONDS_DEFAULT, gt=0, description="Heartbeat period; < lease/2."
+    lease_seconds: PositiveFloat = Field(default=LEASE_SECONDS_DEFAULT, description="Lease length.")
+    heartbeat_seconds: PositiveFloat = Field(
+        default=HEARTBEAT_SECONDS_DEFAULT, description="Heartbeat period; < lease/2."
     )
-    delay_created_seconds: float = Field(
-        default=DELAY_CREATED_SECONDS_DEFAULT, ge=0, description="Visibility delay, new ticket."
+    delay_created_seconds: NonNegativeFloat = Field(
+        default=DELAY_CREATED_SECONDS_DEFAULT, description="Visibility delay, new ticket."
     )
-    delay_updated_seconds: float = Field(
-        default=DELAY_UPDATED_SECONDS_DEFAULT, ge=0, description="Visibility delay, activity."
+    delay_updated_seconds: NonNegativeFloat = Field(
+        default=DELAY_UPDATED_SECONDS_DEFAULT, description="Visibility delay, activity."
     )
     max_attempts: int = Field(default=MAX_ATTEMPTS_DEFAULT, ge=1, le=100, description="Claims.")
-    backoff_base_seconds: float = Field(
-        default=BACKOFF_BASE_SECONDS_DEFAULT, ge=0, description="Retry backoff base."
+    backoff_base_seconds: NonNegativeFloat = Field(
+        default=BACKOFF_BASE_SECONDS_DEFAULT, description="Retry backoff base."
     )
-    backoff_cap_seconds: float = Field(
-        default=BACKOFF_CAP_SECONDS_DEFAULT, ge=0, description="Retry backoff cap."
+    backoff_cap_seconds: NonNegativeFloat = Field(
+        default=BACKOFF_CAP_SECONDS_DEFAULT, description="Retry backoff cap."
     )
-    attempt_deadline_seconds: float = Field(
-        default=ATTEMPT_DEADLINE_SECONDS_DEFAULT, gt=0, description="One attempt's time limit."
+    attempt_deadline_seconds: PositiveFloat = Field(
+        default=ATTEMPT_DEADLINE_SECONDS_DEFAULT, description="One attempt's time limit."
     )
-    sweep_interval_seconds: float = Field(
-        default=SWEEP_INTERVAL_SECONDS_DEFAULT, gt=0, description="Lease recovery period."
+    sweep_interval_seconds: PositiveFloat = Field(
+        default=SWEEP_INTERVAL_SECONDS_DEFAULT, description="Lease recovery period."
     )
-    poll_seconds: float = Field(
-        default=POLL_SECONDS_DEFAULT, gt=0, description="Backstop poll when no NOTIFY arrives."
+    poll_seconds: PositiveFloat = Field(
+        default=POLL_SECONDS_DEFAULT, description="Backstop poll when no NOTIFY arrives."
     )
-    priority_aging_seconds: float = Field(
+    priority_aging_seconds: PositiveFloat = Field(
         default=PRIORITY_AGING_SECONDS_DEFAULT,
-        gt=0,
         description="Seconds a queued row waits visible to rise one plan level in the claim.",
     )
     concurrency: int = Field(
         default=CONCURRENCY_DEFAULT, ge=1, le=1024, description="Jobs in flight per worker."
     )
-    retention_days: float = Field(
-        default=RETENTION_DAYS_DEFAULT, gt=0, description="Keep done/failed rows this long."
+    retention_days: PositiveFloat = Field(
+        default=RETENTION_DAYS_DEFAULT, description="Keep done/failed rows this long."
     )
-    dead_letter_retention_days: float = Field(
-        default=DEAD_LETTER_RETENTION_DAYS_DEFAULT, gt=0, description="Keep dead letters."
+    dead_letter_retention_days: PositiveFloat = Field(
+        default=DEAD_LETTER_RETENTION_DAYS_DEFAULT, description="Keep dead letters."
     )
-    daily_bytes_budget: int = Field(
-        default=0, ge=0, description="Warehouse bytes billed per UTC day; 0 = no budget."
+    daily_bytes_budget: NonNegativeInt = Field(
+        default=0, description="Warehouse bytes billed per UTC day; 0 = no budget."
     )
     enricher: str | None = Field(
         default=None,
@@ -158,16 +166,12 @@ class Settings(BaseSettings):
         default=None,
         description="package.module:function of a batch enrichment; unset = the built-in lookup.",
     )
-    lookup_batch_size: int = Field(
+    lookup_batch_size: Annotated[int, Field(ge=1, le=1000)] = Field(
         default=LOOKUP_BATCH_SIZE_DEFAULT,
-        ge=1,
-        le=1000,
         description="Tickets a batch enricher gets at once (one warehouse query).",
     )
-    warehouse_max_concurrency: int = Field(
+    warehouse_max_concurrency: Annotated[int, Field(ge=0, le=10_000)] = Field(
         default=0,
-        ge=0,
-        le=10_000,
         description="Warehouse lookups running at once, fleet-wide; 0 = no cap.",
     )
     gave_up_hook: str = Field(
@@ -191,13 +195,11 @@ class Settings(BaseSettings):
         description="HMAC keys of POST /v1/events, comma-separated (any one verifies, for "
         "rotation); unset refuses every event.",
     )
-    webhook_tolerance_seconds: float = Field(
-        default=300, gt=0, description="Accepted clock skew of a signed event's timestamp."
+    webhook_tolerance_seconds: PositiveFloat = Field(
+        default=300, description="Accepted clock skew of a signed event's timestamp."
     )
-    event_dedupe_hours: float = Field(
+    event_dedupe_hours: Annotated[float, Field(gt=0, le=EVENT_DEDUPE_HOURS_MAX)] = Field(
         default=EVENT_DEDUPE_HOURS_DEFAULT,
-        gt=0,
-        le=EVENT_DEDUPE_HOURS_MAX,
         description="A webhook event id seen this recently is a redelivery: acknowledged, "
         "not enqueued again.",
     )
@@ -209,44 +211,38 @@ class Settings(BaseSettings):
     metrics_port: int = Field(
         default=METRICS_PORT_DEFAULT, ge=0, le=65535, description="/metrics without HTTP server."
     )
-    shutdown_grace_seconds: float = Field(
-        default=30, ge=0, description="How long in-flight work may finish on SIGTERM."
+    shutdown_grace_seconds: NonNegativeFloat = Field(
+        default=30, description="How long in-flight work may finish on SIGTERM."
     )
-    refresh_interval_seconds: float = Field(
-        default=3600, gt=0, description="How often the sweeper enqueues refresh work."
+    refresh_interval_seconds: PositiveFloat = Field(
+        default=3600, description="How often the sweeper enqueues refresh work."
     )
-    parity_grace_seconds: float = Field(
-        default=3600, ge=0, description="Extra age past the visibility delay before parity."
+    parity_grace_seconds: NonNegativeFloat = Field(
+        default=3600, description="Extra age past the visibility delay before parity."
     )
-    parity_interval_hours: float = Field(
-        default=0, ge=0, description="Sweeper runs parity this often; 0 = never."
+    parity_interval_hours: NonNegativeFloat = Field(
+        default=0, description="Sweeper runs parity this often; 0 = never."
     )
-    parity_min_order_coverage: float = Field(
+    parity_min_order_coverage: Fraction = Field(
         default=PARITY_MIN_ORDER_COVERAGE_DEFAULT,
-        ge=0,
-        le=1,
         description="Parity pass bar: |shadow ∩ legacy| / |legacy| over the orders.",
     )
-    parity_min_ticket_match_rate: float = Field(
+    parity_min_ticket_match_rate: Fraction = Field(
         default=PARITY_MIN_TICKET_MATCH_RATE_DEFAULT,
-        ge=0,
-        le=1,
         description="Below it the report marks how often both flows agree; not a pass bar.",
     )
-    parity_max_shadow_fault_rate: float = Field(
+    parity_max_shadow_fault_rate: Fraction = Field(
         default=PARITY_MAX_SHADOW_FAULT_RATE_DEFAULT,
-        ge=0,
-        le=1,
         description="Parity pass bar: tickets that are enrichq's fault / tickets compared.",
     )
-    parity_max_age_hours: float = Field(
-        default=PARITY_MAX_AGE_HOURS_DEFAULT, gt=0, description="Cutover needs a younger run."
+    parity_max_age_hours: PositiveFloat = Field(
+        default=PARITY_MAX_AGE_HOURS_DEFAULT, description="Cutover needs a younger run."
     )
     parity_concurrency: int = Field(
         default=2, ge=1, le=16, description="Days parity compares at once, a connection each."
     )
-    statement_timeout_seconds: float = Field(
-        default=30, gt=0, description="Limit on every statement of the sweeper and parity."
+    statement_timeout_seconds: PositiveFloat = Field(
+        default=30, description="Limit on every statement of the sweeper and parity."
     )
     log_level: str = Field(default="INFO", description="Python logging level.")
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from importlib.metadata import PackageNotFoundError, version
@@ -117,30 +117,40 @@ def read_snapshot(conn: sa.Connection, *, now: datetime | None = None) -> QueueS
     )
 
 
+def _labelled(
+    name: str,
+    documentation: str,
+    labels: list[str],
+    values: Iterable[tuple[tuple[str, ...], float]],
+) -> GaugeMetricFamily:
+    """A gauge family with one sample per (label values, value) of `values`, in label order."""
+    family = GaugeMetricFamily(name, documentation, labels=labels)
+    for label_values, value in sorted(values):
+        family.add_metric(list(label_values), value)
+    return family
+
+
 def families(snapshot: QueueSnapshot) -> list[Metric]:
     """The Prometheus metric families of a snapshot."""
-    rows = GaugeMetricFamily(
+    rows = _labelled(
         "enrichq_queue_rows",
         "Queue rows by kind and state (open rows live; done, failed and dead_letter as of "
         "the sweeper's last count).",
-        labels=["kind", "state"],
+        ["kind", "state"],
+        snapshot.rows.items(),
     )
-    for (kind, state), n in sorted(snapshot.rows.items()):
-        rows.add_metric([kind, state], n)
-    dead = GaugeMetricFamily(
+    dead = _labelled(
         "enrichq_queue_dead_letters",
         "Dead-letter rows by kind and reason.",
-        labels=["kind", "reason"],
+        ["kind", "reason"],
+        snapshot.dead_letters.items(),
     )
-    for (kind, reason), n in sorted(snapshot.dead_letters.items()):
-        dead.add_metric([kind, reason], n)
-    oldest = GaugeMetricFamily(
+    oldest = _labelled(
         "enrichq_queue_oldest_visible_age_seconds",
         "Seconds since the oldest visible queued row became visible (0 when none).",
-        labels=["kind"],
+        ["kind"],
+        (((kind,), age) for kind, age in snapshot.oldest_visible_age_seconds.items()),
     )
-    for kind, age in sorted(snapshot.oldest_visible_age_seconds.items()):
-        oldest.add_metric([kind], age)
     out: list[Metric] = [
         rows,
         dead,

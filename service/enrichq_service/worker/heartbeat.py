@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 
 import sqlalchemy as sa
 import sqlalchemy.exc as sa_exc
@@ -33,18 +34,17 @@ from enrichq_service.worker.lifecycle import Jobs
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class Heartbeat:
     """Extends this worker's leases until stopped."""
 
-    def __init__(
-        self, engine: sa.Engine, settings: Settings, owner: str, jobs: Jobs, admission: Admission
-    ) -> None:
-        self._engine = engine
-        self._settings = settings
-        self._owner = owner
-        self._jobs = jobs
-        self._admission = admission
-        self._last = time.monotonic()
+    _engine: sa.Engine
+    _settings: Settings
+    _owner: str
+    _jobs: Jobs
+    _admission: Admission
+    # time.monotonic() when the last heartbeat reached the database (or had nothing to do)
+    _last: float = field(default_factory=time.monotonic, init=False)
 
     def run(self, stop: threading.Event) -> None:
         period = self._settings.heartbeat_seconds
