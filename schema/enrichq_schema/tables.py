@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql as pg
 
@@ -44,10 +46,13 @@ def _now() -> sa.TextClause:
     return sa.text("now()")
 
 
+def _at(name: str, *, nullable: bool = False, **options: Any) -> sa.Column[object]:
+    """A point in time (timestamptz: every time enrichq keeps is the database's, zoned)."""
+    return sa.Column(name, sa.DateTime(timezone=True), nullable=nullable, **options)
+
+
 def _created_at() -> sa.Column[object]:
-    return sa.Column(
-        "created_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()
-    )
+    return _at("created_at", server_default=_now())
 
 
 # The partial unique index that makes a second enqueue of a queued (kind, key) a merge.
@@ -76,12 +81,12 @@ queue = sa.Table(
     sa.Column("reason", sa.Text, nullable=False),
     sa.Column("payload", pg.JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
     sa.Column("state", sa.Text, nullable=False, server_default=State.QUEUED.value),
-    sa.Column("visible_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+    _at("visible_at", server_default=_now()),
     sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
     sa.Column("max_attempts", sa.Integer, nullable=False),
     sa.Column("lease_owner", sa.Text),
-    sa.Column("lease_expires_at", sa.DateTime(timezone=True)),
-    sa.Column("heartbeat_at", sa.DateTime(timezone=True)),
+    _at("lease_expires_at", nullable=True),
+    _at("heartbeat_at", nullable=True),
     sa.Column("last_error", sa.Text),
     sa.Column("dead_reason", sa.Text),
     sa.Column("superseded_by", sa.BigInteger),
@@ -89,8 +94,8 @@ queue = sa.Table(
     # (an attempt number repeats after a defer, a redrive or a claim a crash undid).
     sa.Column("claim_token", pg.UUID(as_uuid=True)),
     _created_at(),
-    sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
-    sa.Column("finished_at", sa.DateTime(timezone=True)),
+    _at("updated_at", server_default=_now()),
+    _at("finished_at", nullable=True),
     sa.CheckConstraint(_one_of("state", State), name="state_known"),
     sa.CheckConstraint(_one_of("reason", Reason), name="reason_known"),
     sa.CheckConstraint(f"char_length(key) BETWEEN 1 AND {KEY_MAX_LENGTH}", name="key_length"),
@@ -177,7 +182,7 @@ tenant_served = sa.Table(
     metadata,
     sa.Column("kind", sa.Text, primary_key=True),
     sa.Column("tenant", sa.Text, primary_key=True),
-    sa.Column("bucket", sa.DateTime(timezone=True), primary_key=True),
+    _at("bucket", primary_key=True),
     sa.Column("served", sa.BigInteger, nullable=False),
     # Retention drops old buckets of every tenant without reading the others.
     sa.Index("tenant_served_bucket_idx", "bucket"),
@@ -193,7 +198,7 @@ queue_counts = sa.Table(
     sa.Column("state", sa.Text, primary_key=True),
     sa.Column("dead_reason", sa.Text, primary_key=True),
     sa.Column("rows", sa.BigInteger, nullable=False),
-    sa.Column("counted_at", sa.DateTime(timezone=True), nullable=False),
+    _at("counted_at"),
 )
 
 ticket_orders = sa.Table(
@@ -202,9 +207,9 @@ ticket_orders = sa.Table(
     sa.Column("ticket_id", sa.Text, primary_key=True),
     sa.Column("order_id", sa.Text, primary_key=True),
     sa.Column("customer_id", sa.Text),
-    sa.Column("placed_at", sa.DateTime(timezone=True)),
+    _at("placed_at", nullable=True),
     sa.Column("total", sa.Numeric),
-    sa.Column("looked_up_at", sa.DateTime(timezone=True), nullable=False),
+    _at("looked_up_at"),
     sa.Column("queue_id", sa.BigInteger, nullable=False),
 )
 
@@ -214,7 +219,7 @@ ticket_enrichments = sa.Table(
     "ticket_enrichments",
     metadata,
     sa.Column("ticket_id", sa.Text, primary_key=True),
-    sa.Column("enriched_at", sa.DateTime(timezone=True), nullable=False),
+    _at("enriched_at"),
     sa.Column("order_count", sa.Integer, nullable=False),
     sa.Column("queue_id", sa.BigInteger, nullable=False),
     sa.Index("ticket_enrichments_enriched_at_idx", "enriched_at"),
@@ -256,8 +261,8 @@ lookups_in_flight = sa.Table(
     sa.Column("token", pg.UUID(as_uuid=True), primary_key=True),
     sa.Column("owner", sa.Text, nullable=False),
     sa.Column("reserved_bytes", sa.BigInteger, nullable=False),
-    sa.Column("started_at", sa.DateTime(timezone=True), nullable=False),
-    sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
+    _at("started_at"),
+    _at("expires_at"),
     sa.CheckConstraint("reserved_bytes >= 0", name="reserved_bytes_non_negative"),
 )
 
@@ -270,9 +275,9 @@ leader_leases = sa.Table(
     metadata,
     sa.Column("name", sa.Text, primary_key=True),
     sa.Column("owner", sa.Text, nullable=False),
-    sa.Column("acquired_at", sa.DateTime(timezone=True), nullable=False),
-    sa.Column("renewed_at", sa.DateTime(timezone=True), nullable=False),
-    sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
+    _at("acquired_at"),
+    _at("renewed_at"),
+    _at("expires_at"),
     sa.CheckConstraint("expires_at > renewed_at", name="expires_after_renewal"),
 )
 
@@ -282,7 +287,7 @@ budget_ledger = sa.Table(
     sa.Column("day", sa.Date, primary_key=True),
     sa.Column("bytes_billed", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("lookups", sa.BigInteger, nullable=False, server_default="0"),
-    sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+    _at("updated_at", server_default=_now()),
     sa.CheckConstraint("bytes_billed >= 0", name="bytes_billed_non_negative"),
 )
 
@@ -292,8 +297,8 @@ runs = sa.Table(
     sa.Column("id", sa.BigInteger, sa.Identity(always=True), primary_key=True),
     sa.Column("component", sa.Text, nullable=False),
     sa.Column("owner", sa.Text, nullable=False),
-    sa.Column("started_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
-    sa.Column("finished_at", sa.DateTime(timezone=True)),
+    _at("started_at", server_default=_now()),
+    _at("finished_at", nullable=True),
     sa.Column("stop_reason", sa.Text),
     sa.Column("counts", pg.JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
     sa.Column("error", sa.Text),
@@ -315,10 +320,10 @@ parity_runs = sa.Table(
     "parity_runs",
     metadata,
     sa.Column("id", sa.BigInteger, sa.Identity(always=True), primary_key=True),
-    sa.Column("started_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
-    sa.Column("finished_at", sa.DateTime(timezone=True)),
-    sa.Column("window_since", sa.DateTime(timezone=True), nullable=False),
-    sa.Column("window_until", sa.DateTime(timezone=True), nullable=False),
+    _at("started_at", server_default=_now()),
+    _at("finished_at", nullable=True),
+    _at("window_since"),
+    _at("window_until"),
     sa.Column("tickets_compared", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("tickets_excluded", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("exact_matches", sa.BigInteger, nullable=False, server_default="0"),
@@ -360,7 +365,7 @@ parity_approvals = sa.Table(
     ),
     sa.Column("approved_by", sa.Text, nullable=False),
     sa.Column("note", sa.Text),
-    sa.Column("approved_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+    _at("approved_at", server_default=_now()),
     sa.UniqueConstraint("parity_run_id", "approved_by"),
     sa.CheckConstraint(
         f"char_length(approved_by) BETWEEN 1 AND {APPROVER_MAX_LENGTH}", name="approver_length"
@@ -378,7 +383,7 @@ cutover_events = sa.Table(
     sa.Column("target", sa.Text, nullable=False),
     sa.Column("parity_run_id", sa.BigInteger, sa.ForeignKey("enrichq.parity_runs.id")),
     sa.Column("actor", sa.Text, nullable=False),
-    sa.Column("at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+    _at("at", server_default=_now()),
     sa.Column("note", sa.Text),
     # The tenant moved by a staged cutover or rollback; NULL: every tenant at once.
     sa.Column("tenant", sa.Text),
@@ -394,7 +399,7 @@ seen_events = sa.Table(
     "seen_events",
     metadata,
     sa.Column("event_id", sa.Text, primary_key=True),
-    sa.Column("seen_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+    _at("seen_at", server_default=_now()),
     sa.Column("queue_id", sa.BigInteger),
     sa.CheckConstraint(
         f"char_length(event_id) BETWEEN 1 AND {EVENT_ID_MAX_LENGTH}", name="event_id_length"
@@ -411,8 +416,8 @@ audit_log = sa.Table(
     "audit_log",
     metadata,
     sa.Column("id", sa.BigInteger, sa.Identity(always=True), primary_key=True),
-    sa.Column("at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
-    sa.Column("finished_at", sa.DateTime(timezone=True)),
+    _at("at", server_default=_now()),
+    _at("finished_at", nullable=True),
     sa.Column("actor", sa.Text, nullable=False),
     sa.Column("origin", sa.Text, nullable=False),
     sa.Column("command", sa.Text, nullable=False),
@@ -437,7 +442,7 @@ pauses = sa.Table(
     sa.Column("tenant", sa.Text),
     sa.Column("reason", sa.Text),
     sa.Column("paused_by", sa.Text, nullable=False),
-    sa.Column("paused_at", sa.DateTime(timezone=True), nullable=False, server_default=_now()),
+    _at("paused_at", server_default=_now()),
     sa.UniqueConstraint("kind", "tenant", postgresql_nulls_not_distinct=True),
     sa.CheckConstraint(f"kind IS NULL OR {_one_of('kind', Kind)}", name="kind_known"),
 )
