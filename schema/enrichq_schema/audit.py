@@ -28,7 +28,7 @@ import sqlalchemy as sa
 from enrichq_schema.errors import EnrichqError
 from enrichq_schema.queries import load
 from enrichq_schema.states import AuditCommand
-from enrichq_schema.text import text_problem
+from enrichq_schema.text import checked_text
 
 SQL = load("enrichq_schema", "sql/audit.sql")
 ACTOR_MAX_LENGTH = 200
@@ -70,10 +70,7 @@ def origin() -> str:
 
 def check_actor(actor: str) -> str:
     """`actor`, stripped; AuditInputError when it is empty, too long or unprintable."""
-    actor = actor.strip()
-    if (problem := text_problem(actor, ACTOR_MAX_LENGTH)) is not None:
-        raise AuditInputError(f"actor: {problem}")
-    return actor
+    return checked_text(actor, ACTOR_MAX_LENGTH, "actor", AuditInputError)
 
 
 def record(

@@ -106,3 +106,11 @@ def text_problem(value: str, max_length: int) -> str | None:
     if (bad := unsafe_character(value)) is not None:
         return f"must not contain control or format characters ({bad})"
     return None
+
+
+def checked_text(value: str, max_length: int, name: str, error: type[Exception]) -> str:
+    """`value` stripped, or `error("{name}: {problem}")` when `text_problem` finds one."""
+    value = value.strip()
+    if (problem := text_problem(value, max_length)) is not None:
+        raise error(f"{name}: {problem}")
+    return value

@@ -26,7 +26,7 @@ from enrichq_schema.errors import EnrichqError
 from enrichq_schema.process import Exit, say
 from enrichq_schema.settings import Settings
 from enrichq_schema.states import NOTIFY_CHANNEL, AuditCommand, Kind
-from enrichq_schema.text import printable, text_problem
+from enrichq_schema.text import checked_text, printable, text_problem
 from enrichq_sweeper import common
 from enrichq_sweeper.controls import sql
 
@@ -98,10 +98,7 @@ def check_reason(reason: str | None) -> str | None:
     """`reason`, stripped (None when empty); PauseError when too long or unprintable."""
     if reason is None or not reason.strip():
         return None
-    reason = reason.strip()
-    if (problem := text_problem(reason, REASON_MAX_LENGTH)) is not None:
-        raise PauseError(f"--reason: {problem}")
-    return reason
+    return checked_text(reason, REASON_MAX_LENGTH, "--reason", PauseError)
 
 
 def pause(
