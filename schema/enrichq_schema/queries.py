@@ -4,11 +4,24 @@ A header may end in ``prepared`` (``-- name: queue_claim_batch prepared``): that
 runs as a server-side prepared statement on each connection (see `enrichq_schema.db`), so
 Postgres parses it once per connection and may keep its plan. Only the hot statements of
 the claim loop are marked; everything else is planned with its real parameter values.
+
+A file may also hold fragments: constant SQL text that several of its own statements share,
+each under a ``-- fragment: x`` header (leading comment lines are its doc, as for a query).
+A line that is only ``{{x}}`` stands for fragment ``x``: when the file is loaded, the
+fragment's lines are spliced in there, at that line's indentation, so `Query.sql` is the
+statement as it runs and `Query.fragments` names what went into it. A fragment may include
+another. A fragment is the package's own text, never a value (values are ``:binds``) nor a
+configured table name (``{table}``, quoted in by `enrichq_schema.identifiers` when the
+statement runs); double braces are neither a bind, a cast (``::``) nor valid SQL, so a
+reference left unspliced could never run quietly. A reference to a fragment the file does
+not define, a fragment defined twice, used by no query or including itself, and ``{{x}}``
+anywhere but alone on its line, are errors when the file is loaded.
 """
 
 from __future__ import annotations
 
 import re
+import textwrap
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -16,22 +29,33 @@ from importlib import resources
 
 import sqlalchemy as sa
 
-_HEADER = re.compile(r"^--\s*name:(?P<rest>.*)$", re.MULTILINE)
+_HEADER = re.compile(r"^--\s*(?P<kind>name|fragment):(?P<rest>.*)$", re.MULTILINE)
 _NAME = re.compile(r"[a-z_][a-z0-9_]*")
 _FLAGS = frozenset({"prepared"})
 # The execution option that makes `enrichq_schema.db`'s engines prepare a statement.
 PREPARED_OPTION = "enrichq_prepared"
+# A fragment reference: a line that is only {{name}}; the indent is kept for what replaces it.
+_REFERENCE = re.compile(
+    r"^(?P<indent>[ \t]*)\{\{\s*(?P<name>[a-z_][a-z0-9_]*)\s*\}\}[ \t]*$", re.MULTILINE
+)
+# What is left of a reference that was not alone on its line (or not a fragment name).
+_STRAY_REFERENCE = re.compile(r"\{\{[^{}]*\}\}")
 
 
 @dataclass(frozen=True, slots=True)
 class Query:
-    """One named statement: its text as SQLAlchemy `text()` and what its comment says."""
+    """One named statement: its text as SQLAlchemy `text()` and what its comment says.
+
+    `sql` is the statement as it runs, its fragments spliced in; `fragments` names them in
+    the order they stand (one included by another right after it).
+    """
 
     name: str
     doc: str
     sql: str
     text: sa.TextClause
     prepared: bool = False
+    fragments: tuple[str, ...] = ()
 
 
 class Queries(Mapping[str, Query]):
@@ -59,37 +83,95 @@ class Queries(Mapping[str, Query]):
 
 
 def parse(source: str, text: str) -> Queries:
-    """Split a file's text into its named queries; duplicate or empty names are errors."""
+    """Split a file's text into its named queries, fragments spliced in; duplicate or empty
+    names, and fragments that are undefined, defined twice, unused or circular, are errors."""
     headers = list(_HEADER.finditer(text))
-    if not headers:
+    if not any(header["kind"] == "name" for header in headers):
         raise ValueError(f"{source}: no '-- name:' headers")
-    queries: dict[str, Query] = {}
+    written: dict[str, tuple[str, str, bool]] = {}
+    fragments: dict[str, str] = {}
     for i, header in enumerate(headers):
         end = headers[i + 1].start() if i + 1 < len(headers) else len(text)
-        body = text[header.end() : end].strip()
         name, *flags = header["rest"].split() or [""]
+        what = "query" if header["kind"] == "name" else "fragment"
         if not _NAME.fullmatch(name):
-            raise ValueError(f"{source}: {name!r} is not a query name")
+            raise ValueError(f"{source}: {name!r} is not a {what} name")
+        if name in (written if what == "query" else fragments):
+            raise ValueError(f"{source}: {what} {name!r} is defined twice")
+        doc, body = _split_doc(text[header.end() : end])
+        if what == "fragment":
+            if flags:
+                raise ValueError(f"{source}: fragment {name!r} takes no flags, got {flags}")
+            # its lines keep their indentation relative to each other; the splice indents them
+            fragments[name] = textwrap.dedent(body.strip("\n")).rstrip()
+            if not fragments[name]:
+                raise ValueError(f"{source}: fragment {name!r} is empty")
+            continue
         if unknown := set(flags) - _FLAGS:
             raise ValueError(f"{source}: query {name!r} has unknown flags {sorted(unknown)}")
-        if name in queries:
-            raise ValueError(f"{source}: query {name!r} is defined twice")
-        doc_lines: list[str] = []
-        sql_lines: list[str] = []
-        for line in body.splitlines():
-            if not sql_lines and line.startswith("--"):
-                doc_lines.append(line.removeprefix("--").strip())
-            else:
-                sql_lines.append(line)
-        sql = "\n".join(sql_lines).strip().rstrip(";")
+        written[name] = (doc, body, "prepared" in flags)
+    queries: dict[str, Query] = {}
+    used: set[str] = set()
+    for name, (doc, body, prepared) in written.items():
+        spliced, names = _splice(source, f"query {name!r}", body, fragments, ())
+        used.update(names)
+        sql = spliced.strip().rstrip(";")
         if not sql:
             raise ValueError(f"{source}: query {name!r} is empty")
-        prepared = "prepared" in flags
         clause = sa.text(sql)
         if prepared:
             clause = clause.execution_options(**{PREPARED_OPTION: True})
-        queries[name] = Query(name, " ".join(doc_lines), sql, clause, prepared)
+        queries[name] = Query(name, doc, sql, clause, prepared, tuple(names))
+    if unused := sorted(set(fragments) - used):
+        raise ValueError(f"{source}: fragments {unused} are used by no query")
     return Queries(source, queries)
+
+
+def _split_doc(block: str) -> tuple[str, str]:
+    """A block's leading comment lines (its doc, joined) and the text after them, each line
+    indented as written (a fragment is spliced in at the indentation of its reference)."""
+    lines = block.splitlines()
+    while lines and not lines[0].strip():
+        del lines[0]
+    doc_lines: list[str] = []
+    sql_lines: list[str] = []
+    for i, line in enumerate(lines):
+        # the first line may be indented; the doc's later lines start the line
+        comment = line.lstrip() if i == 0 else line
+        if not sql_lines and comment.startswith("--"):
+            doc_lines.append(comment.removeprefix("--").strip())
+        else:
+            sql_lines.append(line)
+    return " ".join(doc_lines), "\n".join(sql_lines)
+
+
+def _splice(
+    source: str, owner: str, body: str, fragments: Mapping[str, str], including: tuple[str, ...]
+) -> tuple[str, list[str]]:
+    """`body` with each ``{{x}}`` line replaced by fragment x (its own references spliced
+    too) at that line's indentation; and the fragments spliced, in the order they stand."""
+    names: list[str] = []
+
+    def fragment(reference: re.Match[str]) -> str:
+        name = reference["name"]
+        if name not in fragments:
+            raise ValueError(f"{source}: {owner} uses fragment {name!r}, which is not defined")
+        if name in including:
+            chain = " -> ".join((*including, name))
+            raise ValueError(f"{source}: fragment {name!r} includes itself ({chain})")
+        text, inner = _splice(
+            source, f"fragment {name!r}", fragments[name], fragments, (*including, name)
+        )
+        names.extend((name, *inner))
+        return textwrap.indent(text, reference["indent"])
+
+    spliced = _REFERENCE.sub(fragment, body)
+    if stray := _STRAY_REFERENCE.search(spliced):
+        raise ValueError(
+            f"{source}: {owner} has {stray[0]!r}: a fragment reference is a fragment's name "
+            "alone on its line"
+        )
+    return spliced, names
 
 
 @cache

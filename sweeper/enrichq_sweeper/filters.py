@@ -129,7 +129,8 @@ class Filter:
         )
 
     def params(self) -> dict[str, Any]:
-        """The bound parameters of the filter block of every statement in controls.sql."""
+        """The bound parameters of the filter in controls.sql (its fragments, and the `--id`
+        criterion its selects apply)."""
         return {
             "ids": list(self.ids) or None,
             "keys": list(self.keys) or None,

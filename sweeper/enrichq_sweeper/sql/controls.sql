@@ -14,13 +14,41 @@
 -- server, whatever the database's collation), so writers wait for each other but never
 -- deadlock. The batches lock with ORDER BY ... FOR UPDATE before they write anything.
 --
--- The filter block below is the same in every statement of a scope (the open scope reads
--- reason and created_at, the dead scope dead_reason and finished_at); a test holds the
--- copies together. The batches leave out the `--id` criterion: a row's id never changes,
--- the batch's ids come from the selection that applied it, and a second `id = ANY` next
--- to :batch_ids made the planner scan the table sequentially. A criterion that is NULL is
--- folded away when the statement is planned with its parameters, so only the criteria
--- given reach the plan.
+-- The filter is written once per scope, as a fragment the loader splices into every
+-- statement of that scope (enrichq_schema.queries): open_filter reads reason and
+-- created_at, dead_filter dead_reason and finished_at, and both start with the criteria
+-- that read the same columns in either scope (keys_tenant_kind). The `--id` criterion is
+-- not in them: the selects apply it, the batches leave it out, since a row's id never
+-- changes, the batch's ids come from the selection that applied it, and a second
+-- `id = ANY` next to :batch_ids made the planner scan the table sequentially. A criterion
+-- that is NULL is folded away when the statement is planned with its parameters, so only
+-- the criteria given reach the plan.
+
+
+-- fragment: keys_tenant_kind
+-- The filter's criteria that read the same columns in either scope.
+AND (CAST(:keys AS text[]) IS NULL OR q.key = ANY(CAST(:keys AS text[])))
+AND (CAST(:tenant AS text) IS NULL OR q.tenant = CAST(:tenant AS text))
+AND (CAST(:kind AS text) IS NULL OR q.kind = CAST(:kind AS text))
+
+
+-- fragment: open_filter
+-- The filter on a queued or leased row: `reason` is why it was enqueued, and its age runs
+-- from when it was created.
+{{keys_tenant_kind}}
+AND (CAST(:reason AS text) IS NULL OR q.reason = CAST(:reason AS text))
+AND (CAST(:older_than_seconds AS float8) IS NULL
+     OR q.created_at < coalesce(CAST(:now AS timestamptz), now())
+                       - make_interval(secs => CAST(:older_than_seconds AS float8)))
+
+
+-- fragment: dead_filter
+-- The filter on a dead letter: `reason` is why it died, and its age runs from when it did.
+{{keys_tenant_kind}}
+AND (CAST(:reason AS text) IS NULL OR q.dead_reason = CAST(:reason AS text))
+AND (CAST(:older_than_seconds AS float8) IS NULL
+     OR q.finished_at < coalesce(CAST(:now AS timestamptz), now())
+                        - make_interval(secs => CAST(:older_than_seconds AS float8)))
 
 
 -- name: controls_select_open
@@ -31,25 +59,13 @@ WITH matched AS (
     FROM enrichq.queue AS q
     WHERE q.state = 'queued'
       AND (CAST(:ids AS bigint[]) IS NULL OR q.id = ANY(CAST(:ids AS bigint[])))
-      AND (CAST(:keys AS text[]) IS NULL OR q.key = ANY(CAST(:keys AS text[])))
-      AND (CAST(:tenant AS text) IS NULL OR q.tenant = CAST(:tenant AS text))
-      AND (CAST(:kind AS text) IS NULL OR q.kind = CAST(:kind AS text))
-      AND (CAST(:reason AS text) IS NULL OR q.reason = CAST(:reason AS text))
-      AND (CAST(:older_than_seconds AS float8) IS NULL
-           OR q.created_at < coalesce(CAST(:now AS timestamptz), now())
-                             - make_interval(secs => CAST(:older_than_seconds AS float8)))
+      {{open_filter}}
     UNION ALL
     SELECT q.id, q.key, q.kind, q.state
     FROM enrichq.queue AS q
     WHERE q.state = 'leased'
       AND (CAST(:ids AS bigint[]) IS NULL OR q.id = ANY(CAST(:ids AS bigint[])))
-      AND (CAST(:keys AS text[]) IS NULL OR q.key = ANY(CAST(:keys AS text[])))
-      AND (CAST(:tenant AS text) IS NULL OR q.tenant = CAST(:tenant AS text))
-      AND (CAST(:kind AS text) IS NULL OR q.kind = CAST(:kind AS text))
-      AND (CAST(:reason AS text) IS NULL OR q.reason = CAST(:reason AS text))
-      AND (CAST(:older_than_seconds AS float8) IS NULL
-           OR q.created_at < coalesce(CAST(:now AS timestamptz), now())
-                             - make_interval(secs => CAST(:older_than_seconds AS float8)))
+      {{open_filter}}
 )
 SELECT coalesce(array_agg(m.id ORDER BY m.key COLLATE "C", m.kind COLLATE "C", m.id),
                 '{}') AS ids,
@@ -67,13 +83,7 @@ WITH matched AS (
     FROM enrichq.queue AS q
     WHERE q.state = 'dead_letter'
       AND (CAST(:ids AS bigint[]) IS NULL OR q.id = ANY(CAST(:ids AS bigint[])))
-      AND (CAST(:keys AS text[]) IS NULL OR q.key = ANY(CAST(:keys AS text[])))
-      AND (CAST(:tenant AS text) IS NULL OR q.tenant = CAST(:tenant AS text))
-      AND (CAST(:kind AS text) IS NULL OR q.kind = CAST(:kind AS text))
-      AND (CAST(:reason AS text) IS NULL OR q.dead_reason = CAST(:reason AS text))
-      AND (CAST(:older_than_seconds AS float8) IS NULL
-           OR q.finished_at < coalesce(CAST(:now AS timestamptz), now())
-                              - make_interval(secs => CAST(:older_than_seconds AS float8)))
+      {{dead_filter}}
 )
 SELECT coalesce(array_agg(m.id ORDER BY m.key COLLATE "C", m.kind COLLATE "C", m.id),
                 '{}') AS ids,
@@ -121,13 +131,7 @@ chosen AS (
     FROM enrichq.queue AS q
     WHERE q.id = ANY(CAST(:batch_ids AS bigint[]))
       AND q.state IN ('queued', 'leased')
-      AND (CAST(:keys AS text[]) IS NULL OR q.key = ANY(CAST(:keys AS text[])))
-      AND (CAST(:tenant AS text) IS NULL OR q.tenant = CAST(:tenant AS text))
-      AND (CAST(:kind AS text) IS NULL OR q.kind = CAST(:kind AS text))
-      AND (CAST(:reason AS text) IS NULL OR q.reason = CAST(:reason AS text))
-      AND (CAST(:older_than_seconds AS float8) IS NULL
-           OR q.created_at < coalesce(CAST(:now AS timestamptz), now())
-                             - make_interval(secs => CAST(:older_than_seconds AS float8)))
+      {{open_filter}}
     ORDER BY q.key COLLATE "C", q.kind COLLATE "C", q.id
     FOR UPDATE OF q
 ),
@@ -152,13 +156,7 @@ WITH chosen AS (
     FROM enrichq.queue AS q
     WHERE q.id = ANY(CAST(:batch_ids AS bigint[]))
       AND q.state = 'dead_letter'
-      AND (CAST(:keys AS text[]) IS NULL OR q.key = ANY(CAST(:keys AS text[])))
-      AND (CAST(:tenant AS text) IS NULL OR q.tenant = CAST(:tenant AS text))
-      AND (CAST(:kind AS text) IS NULL OR q.kind = CAST(:kind AS text))
-      AND (CAST(:reason AS text) IS NULL OR q.dead_reason = CAST(:reason AS text))
-      AND (CAST(:older_than_seconds AS float8) IS NULL
-           OR q.finished_at < coalesce(CAST(:now AS timestamptz), now())
-                              - make_interval(secs => CAST(:older_than_seconds AS float8)))
+      {{dead_filter}}
     ORDER BY q.key COLLATE "C", q.kind COLLATE "C", q.id
     FOR UPDATE OF q
 ),
@@ -189,13 +187,7 @@ chosen AS (
     FROM enrichq.queue AS q
     JOIN batch AS b ON b.id = q.id
     WHERE q.state = 'dead_letter'
-      AND (CAST(:keys AS text[]) IS NULL OR q.key = ANY(CAST(:keys AS text[])))
-      AND (CAST(:tenant AS text) IS NULL OR q.tenant = CAST(:tenant AS text))
-      AND (CAST(:kind AS text) IS NULL OR q.kind = CAST(:kind AS text))
-      AND (CAST(:reason AS text) IS NULL OR q.dead_reason = CAST(:reason AS text))
-      AND (CAST(:older_than_seconds AS float8) IS NULL
-           OR q.finished_at < coalesce(CAST(:now AS timestamptz), now())
-                              - make_interval(secs => CAST(:older_than_seconds AS float8)))
+      {{dead_filter}}
     ORDER BY q.key COLLATE "C", q.kind COLLATE "C", q.id
     FOR UPDATE OF q
 ),
