@@ -13,7 +13,10 @@ from __future__ import annotations
 import logging
 import unicodedata
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 # Refused in ticket ids, tenants and event ids: control characters (C0, DEL, C1: escapes,
 # newlines, NUL) and format characters (zero-width and bidirectional marks, which make
@@ -43,6 +46,25 @@ def printable(value: object) -> str:
         else:
             out.append(char)
     return "".join(out)
+
+
+def shown(value: object) -> str:
+    """`value` as rich markup that shows its `printable` form and nothing else (no style)."""
+    from rich.markup import escape
+
+    return escape(printable(value))
+
+
+def newest_first(what: str, count: int, *, none: str) -> Table | None:
+    """An empty rich table for `count` rows of `what`, newest first; None (having printed
+    `none`) when there are no rows."""
+    from rich.console import Console
+    from rich.table import Table
+
+    if not count:
+        Console().print(none)
+        return None
+    return Table(title=f"{what} (newest first, {count} shown)")
 
 
 class EscapingFormatter(logging.Formatter):

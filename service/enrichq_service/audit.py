@@ -63,16 +63,12 @@ def describe_filter(stored: Mapping[str, Any]) -> str:
 def print_table(entries: Sequence[AuditEntry]) -> None:
     """The actions as a rich table; actors, filters and notes escaped."""
     from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
 
-    from enrichq_schema.text import printable
+    from enrichq_schema.text import newest_first, shown
 
-    console = Console()
-    if not entries:
-        console.print("no operator actions recorded")
+    table = newest_first("operator actions", len(entries), none="no operator actions recorded")
+    if table is None:
         return
-    table = Table(title=f"operator actions (newest first, {len(entries)} shown)")
     for column in ("id", "at", "command", "actor", "rows", "filter", "finished", "note"):
         table.add_column(column, justify="right" if column in {"id", "rows"} else "left")
     for e in entries:
@@ -81,10 +77,10 @@ def print_table(entries: Sequence[AuditEntry]) -> None:
             str(e.id),
             e.at.astimezone(UTC).strftime(TIME_FORMAT),
             e.command,
-            escape(printable(e.actor)),
+            shown(e.actor),
             str(e.rows_affected),
-            escape(printable(describe_filter(e.filter))),
+            shown(describe_filter(e.filter)),
             finished,
-            escape(printable(e.note or "")),
+            shown(e.note or ""),
         )
-    console.print(table)
+    Console().print(table)

@@ -54,7 +54,7 @@ def render(report: StatusReport) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from enrichq_schema.text import printable
+    from enrichq_schema.text import printable, shown
     from enrichq_sweeper.pauses import Scope
 
     console = Console()
@@ -77,7 +77,7 @@ def render(report: StatusReport) -> None:
         why = f": {printable(p['reason'])}" if p["reason"] else ""
         console.print(
             f"[bold]PAUSED[/] {escape(scope)} since {p['paused_at']} by"
-            f" {escape(printable(p['paused_by']))}{escape(why)}"
+            f" {shown(p['paused_by'])}{escape(why)}"
         )
     if report.dead_letters:
         reasons = ", ".join(f"{r}: {n}" for r, n in sorted(report.dead_letters.items()))

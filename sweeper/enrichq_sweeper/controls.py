@@ -382,15 +382,13 @@ def print_result(result: ActionResult) -> None:
 
 def _print_sample(result: ActionResult) -> None:
     from rich.console import Console
-    from rich.markup import escape
     from rich.table import Table
 
-    from enrichq_schema.text import printable
+    from enrichq_schema.text import shown
 
     if not result.sample:
         return
-    shown = len(result.sample)
-    table = Table(title=f"first {shown} of {result.matched} (in lock order)")
+    table = Table(title=f"first {len(result.sample)} of {result.matched} (in lock order)")
     open_scope = result.filter.scope is Scope.OPEN
     columns = ["id", "kind", "key", "tenant", "state" if open_scope else "dead reason"]
     columns += ["reason", "attempts", "created" if open_scope else "dead since"]
@@ -405,9 +403,9 @@ def _print_sample(result: ActionResult) -> None:
         when = r.created_at if open_scope else (r.finished_at or r.created_at)
         table.add_row(
             str(r.id),
-            escape(printable(r.kind)),
-            escape(printable(r.key)),
-            escape(printable(r.tenant or "")),
+            shown(r.kind),
+            shown(r.key),
+            shown(r.tenant or ""),
             r.state if open_scope else (r.dead_reason or ""),
             r.reason,
             f"{r.attempts}/{r.max_attempts}",

@@ -91,16 +91,12 @@ def list_cli(
 
 def _print_table(rows: Sequence[DeadLetter]) -> None:
     from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
 
-    from enrichq_schema.text import printable
+    from enrichq_schema.text import newest_first, shown
 
-    console = Console()
-    if not rows:
-        console.print("no dead letters")
+    table = newest_first("dead letters", len(rows), none="no dead letters")
+    if table is None:
         return
-    table = Table(title=f"dead letters (newest first, {len(rows)} shown)")
     for column in ("id", "kind", "key", "tenant", "dead reason", "by", "attempts", "finished"):
         table.add_column(
             column,
@@ -113,16 +109,16 @@ def _print_table(rows: Sequence[DeadLetter]) -> None:
         # are shown escaped: no terminal escape or markup reaches the screen
         table.add_row(
             str(r.id),
-            escape(printable(r.kind)),
-            escape(printable(r.key)),
-            escape(printable(r.tenant or "")),
+            shown(r.kind),
+            shown(r.key),
+            shown(r.tenant or ""),
             r.dead_reason,
             _superseder(r),
             f"{r.attempts}/{r.max_attempts}",
             r.finished_at.isoformat(timespec="seconds"),
-            escape(printable((r.last_error or "").splitlines()[0])) if r.last_error else "",
+            shown((r.last_error or "").splitlines()[0]) if r.last_error else "",
         )
-    console.print(table)
+    Console().print(table)
 
 
 def _superseder(row: DeadLetter) -> str:
