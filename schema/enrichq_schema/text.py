@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import logging
 import unicodedata
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
     from rich.table import Table
 
 # Refused in ticket ids, tenants and event ids: control characters (C0, DEL, C1: escapes,
@@ -46,6 +47,16 @@ def printable(value: object) -> str:
         else:
             out.append(char)
     return "".join(out)
+
+
+def print_json_lines(records: Iterable[DataclassInstance]) -> None:
+    """Each record as one line of JSON (its fields; times and the like as text).
+    json.dumps escapes every control character, so the lines are safe to print."""
+    import json
+    from dataclasses import asdict
+
+    for record in records:
+        print(json.dumps(asdict(record), default=str))
 
 
 def shown(value: object) -> str:

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
 from datetime import UTC
 from typing import Any
 
 from enrichq_schema.audit import AuditEntry, AuditInputError, recent
 from enrichq_schema.process import Exit, say
 from enrichq_schema.settings import Settings
+from enrichq_schema.text import print_json_lines
 
 TIME_FORMAT = "%Y-%m-%d %H:%M:%SZ"
 
@@ -38,11 +37,9 @@ def list_cli(
     finally:
         engine.dispose()
     if as_json:
-        # json.dumps escapes every control character: the lines are safe to print
-        for entry in entries:
-            print(json.dumps(asdict(entry), default=str))
-        return
-    print_table(entries)
+        print_json_lines(entries)
+    else:
+        print_table(entries)
 
 
 def describe_filter(stored: Mapping[str, Any]) -> str:

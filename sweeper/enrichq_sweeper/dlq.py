@@ -6,9 +6,8 @@ Discard and redrive are operator controls over a filter, with cancel: see
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import datetime
 
 import sqlalchemy as sa
@@ -16,6 +15,7 @@ import sqlalchemy as sa
 from enrichq_schema.process import fail
 from enrichq_schema.settings import Settings
 from enrichq_schema.states import DeadReason
+from enrichq_schema.text import print_json_lines
 from enrichq_sweeper.common import set_statement_timeout, sql
 from enrichq_sweeper.errors import DlqInputError
 
@@ -83,10 +83,9 @@ def list_cli(
     finally:
         engine.dispose()
     if as_json:
-        for row in rows:
-            print(json.dumps(asdict(row), default=str))
-        return
-    _print_table(rows)
+        print_json_lines(rows)
+    else:
+        _print_table(rows)
 
 
 def _print_table(rows: Sequence[DeadLetter]) -> None:

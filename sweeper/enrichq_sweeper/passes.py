@@ -39,6 +39,10 @@ class Task(StrEnum):
     COUNTS = "counts"
 
 
+# What a pass's body returns: its run-log counts, and whether it was asked to stop.
+PassCounts = tuple[dict[str, float], bool]
+
+
 @dataclass(frozen=True, slots=True)
 class PassReport:
     """How one pass ended: its stop reason, the counts written to the run log, the error."""
@@ -52,10 +56,6 @@ class PassReport:
     def ok(self) -> bool:
         """Whether the pass finished without an error."""
         return self.stop_reason is not StopReason.ERROR
-
-
-# What a pass's body returns: its run-log counts, and whether it was asked to stop.
-PassCounts = tuple[dict[str, float], bool]
 
 
 def _counts(task: Task, duration: float, **values: float) -> dict[str, object]:
