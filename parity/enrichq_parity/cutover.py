@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from enrichq_parity.model import Approval, Tally, Thresholds, decide, plural
-from enrichq_parity.review import ReviewInputError, approvals_of, check_name
+from enrichq_parity.review import Refused, ReviewInputError, approvals_of, check_name, say_failure
 from enrichq_schema.errors import EnrichqError
 from enrichq_schema.identifiers import qualified, relation_exists, render
-from enrichq_schema.process import Exit, say
+from enrichq_schema.process import Exit
 from enrichq_schema.queries import Queries, load
 from enrichq_schema.tables import PUBLIC_SCHEMA
 
@@ -52,7 +52,7 @@ class CutoverError(EnrichqError):
     """Cutover cannot run on this database."""
 
 
-class CutoverRefused(EnrichqError):
+class CutoverRefused(Refused):
     """The cutover is refused (the parity gate, or a step that does not apply)."""
 
 
@@ -576,8 +576,7 @@ def run_cli(
         who = check_name(default_actor() if actor is None else actor, "--actor")
         chosen = check_tenants(tenants) if tenants else None
     except ReviewInputError as exc:
-        say(f"cutover: {exc}")
-        return Exit.USAGE
+        return say_failure("cutover", exc)
     engine = create_engine(
         settings,
         url,
@@ -596,12 +595,8 @@ def run_cli(
             return Exit.OK
         with engine.begin() as conn:
             result = repoint(conn, settings, action=action, tenants=chosen, actor=who)
-    except CutoverRefused as exc:
-        say(f"{action.value} refused: {exc}")
-        return Exit.FAILED
-    except CutoverError as exc:
-        say(f"{action.value}: {exc}")
-        return Exit.USAGE
+    except (CutoverRefused, CutoverError) as exc:
+        return say_failure(action.value, exc)
     except sa.exc.OperationalError as exc:
         if getattr(exc.orig, "sqlstate", None) != LOCK_NOT_AVAILABLE:
             raise
