@@ -197,14 +197,18 @@ def _passing(run: GateRun, thresholds: Thresholds, tenant: str | None) -> list[s
 
 @dataclass(frozen=True, slots=True)
 class CutoverResult:
-    """What a cutover or rollback did (changed=False: it was there already)."""
+    """What a cutover or rollback did: the events it recorded (none: it was there already)."""
 
     action: Action
-    changed: bool
     state: ViewState
     event_ids: tuple[int, ...]
     parity_run_id: int | None
     message: str
+
+    @property
+    def changed(self) -> bool:
+        """Whether it moved anything (a step records one event per tenant moved, or one)."""
+        return bool(self.event_ids)
 
 
 def _queries() -> Queries:
@@ -255,7 +259,7 @@ def repoint(
     current = ensure_view(conn, settings)
     step = plan(current, action, tenants)
     if step is None:
-        return CutoverResult(action, False, current, (), None, _unchanged(action, tenants))
+        return CutoverResult(action, current, (), None, _unchanged(action, tenants))
     at: datetime = conn.execute(q("cutover_now"), {"now": now}).scalar_one()
     run = _gate_run(conn)
     if action is Action.CUTOVER:
@@ -281,7 +285,6 @@ def repoint(
     _apply(conn, settings, current, step, events)
     return CutoverResult(
         action,
-        True,
         step.target,
         events,
         run_id,
