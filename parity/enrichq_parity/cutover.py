@@ -63,12 +63,17 @@ class Action(StrEnum):
     ROLLBACK = "rollback"
 
 
-class Mode(StrEnum):
-    """What the consumer view reads."""
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One step: the state it leads to, and the tenants it moves (None: every tenant)."""
 
-    LEGACY = "legacy"
-    STAGED = "staged"
-    SHADOW = "shadow"
+    target: ViewState
+    moved: tuple[str, ...] | None
+
+    @property
+    def changes(self) -> bool:
+        """Whether the step does anything."""
+        return self.moved is None or bool(self.moved)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,17 +88,12 @@ class ViewState:
         return self.mode is Mode.SHADOW or (self.mode is Mode.STAGED and tenant in self.tenants)
 
 
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """One step: the state it leads to, and the tenants it moves (None: every tenant)."""
+class Mode(StrEnum):
+    """What the consumer view reads."""
 
-    target: ViewState
-    moved: tuple[str, ...] | None
-
-    @property
-    def changes(self) -> bool:
-        """Whether the step does anything."""
-        return self.moved is None or bool(self.moved)
+    LEGACY = "legacy"
+    STAGED = "staged"
+    SHADOW = "shadow"
 
 
 def plan(current: ViewState, action: Action, tenants: Sequence[str] | None) -> Plan | None:
