@@ -30,6 +30,7 @@ from enrichq_parity.model import (
     Fault,
     Mismatch,
     ParityReport,
+    RuleResult,
     Tally,
     TicketClass,
     classes_of,
@@ -72,7 +73,7 @@ def to_html(report: ParityReport, approvals: Sequence[Approval] = ()) -> str:
         cards=_cards(report),
         chart=_chart(report),
         groups=_groups(t),
-        rules=_rules(report),
+        rules=report.rules,
         samples=[
             _Sample(fault, FAULT_LABELS[fault], report.sample(fault), t.in_group(fault))
             for fault in Fault
@@ -87,6 +88,7 @@ def to_html(report: ParityReport, approvals: Sequence[Approval] = ()) -> str:
         css=Markup(_css()),  # noqa: S704 -- our own stylesheet, shipped in the package
         fmt=_Format(),
         chips=chips,
+        rule_tickets=rule_tickets,
     )
     return page
 
@@ -167,19 +169,6 @@ class _Group:
     meaning: str
     tickets: int
     rows: tuple[_GroupRow, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class _RuleRow:
-    number: int
-    line: int
-    ticket_class: str
-    scope: str
-    reason: str
-    author: str
-    matched: int
-    tickets: tuple[str, ...]
-    more: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,21 +292,10 @@ def _groups(t: Tally) -> list[_Group]:
     return out
 
 
-def _rules(report: ParityReport) -> list[_RuleRow]:
-    return [
-        _RuleRow(
-            number=r.rule.number,
-            line=r.rule.line,
-            ticket_class=CLASS_LABELS[r.rule.ticket_class],
-            scope=r.rule.scope(),
-            reason=r.rule.reason,
-            author=r.rule.author,
-            matched=r.matched,
-            tickets=r.tickets[:MAX_RULE_CHIPS],
-            more=r.matched - min(len(r.tickets), MAX_RULE_CHIPS),
-        )
-        for r in report.rules
-    ]
+def rule_tickets(r: RuleResult) -> tuple[tuple[str, ...], int]:
+    """The ticket ids of an accept rule's cell, at most MAX_RULE_CHIPS, and how many more."""
+    shown = r.tickets[:MAX_RULE_CHIPS]
+    return shown, r.matched - len(shown)
 
 
 def chips(m: Mismatch) -> _Chips:
