@@ -72,12 +72,8 @@ def to_html(report: ParityReport, approvals: Sequence[Approval] = ()) -> str:
         checklist=_checklist(report, approvals),
         cards=_cards(report),
         chart=_chart(report),
-        groups=_groups(t),
+        groups=_groups(report),
         rules=report.rules,
-        samples=[
-            _Sample(fault, FAULT_LABELS[fault], report.sample(fault), t.in_group(fault))
-            for fault in Fault
-        ],
         orders=_orders(t),
         exclusions=[(EXCLUSION_LABELS[e], t.count(e)) for e in Exclusion],
         tenants=[
@@ -169,14 +165,7 @@ class _Group:
     meaning: str
     tickets: int
     rows: tuple[_GroupRow, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class _Sample:
-    fault: Fault
-    label: str
-    mismatches: tuple[Mismatch, ...]
-    of: int
+    sample: tuple[Mismatch, ...]  # the kept mismatches, the most differing orders first
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,7 +261,9 @@ def _cards(report: ParityReport) -> list[_Card]:
     ]
 
 
-def _groups(t: Tally) -> list[_Group]:
+def _groups(report: ParityReport) -> list[_Group]:
+    """Per fault group: its counts by class, and the sample of its mismatches."""
+    t = report.total
     out = []
     for fault in Fault:
         rows = tuple(
@@ -287,7 +278,14 @@ def _groups(t: Tally) -> list[_Group]:
             for c in classes_of(fault)
         )
         out.append(
-            _Group(fault, FAULT_LABELS[fault], FAULT_MEANINGS[fault], t.in_group(fault), rows)
+            _Group(
+                fault,
+                FAULT_LABELS[fault],
+                FAULT_MEANINGS[fault],
+                t.in_group(fault),
+                rows,
+                report.sample(fault),
+            )
         )
     return out
 
