@@ -354,7 +354,9 @@ def _plain(value: datetime | None) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class _Text:
+class _Point:
+    """A place on the chart and its words: a label written there, or a dot's tooltip."""
+
     x: float
     y: float
     text: str
@@ -378,17 +380,10 @@ class _Bar:
 
 
 @dataclass(frozen=True, slots=True)
-class _Dot:
-    x: float
-    y: float
-    title: str
-
-
-@dataclass(frozen=True, slots=True)
 class _Series:
     css: str
     polylines: tuple[str, ...]
-    dots: tuple[_Dot, ...]
+    dots: tuple[_Point, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -399,10 +394,10 @@ class _Chart:
     right: int
     baseline: float
     grid: tuple[_Line, ...]
-    ticks: tuple[_Text, ...]
+    ticks: tuple[_Point, ...]
     bars: tuple[_Bar, ...]
-    labels: tuple[_Text, ...]
-    nodata: tuple[_Text, ...]
+    labels: tuple[_Point, ...]
+    nodata: tuple[_Point, ...]
     thresholds: tuple[_Line, ...]
     series: tuple[_Series, ...]
 
@@ -438,7 +433,7 @@ def _chart(report: ParityReport) -> _Chart | None:
     for k in range(round(span / step) + 1):
         v = low + k * step
         grid.append(_Line(y(v), "grid", ""))
-        ticks.append(_Text(left - 6, y(v) + 4, f"{v * 100:.{_decimals(step)}f}%", "end"))
+        ticks.append(_Point(left - 6, y(v) + 4, f"{v * 100:.{_decimals(step)}f}%", "end"))
     bar_items, labels, nodata = [], [], []
     label_every = max(1, math.ceil(len(days) / 14))
     for i, d in enumerate(days):
@@ -455,9 +450,9 @@ def _chart(report: ParityReport) -> _Chart | None:
             )
         )
         if i % label_every == 0 or i == len(days) - 1:
-            labels.append(_Text(x(i), height - bottom + 18, d.day.strftime("%m-%d")))
+            labels.append(_Point(x(i), height - bottom + 18, d.day.strftime("%m-%d")))
         if d.tally.compared == 0:
-            nodata.append(_Text(x(i), top + plot_h - 6, "no data"))
+            nodata.append(_Point(x(i), top + plot_h - 6, "no data"))
     thresholds = (
         _Line(y(bars.min_order_coverage), "cov", f"coverage bar {pct(bars.min_order_coverage)}"),
         _Line(
@@ -487,14 +482,14 @@ def _series(
 ) -> _Series:
     """A polyline per run of days with data, and a dot per day with a tooltip."""
     runs: list[list[tuple[float, float]]] = [[]]
-    dots: list[_Dot] = []
+    dots: list[_Point] = []
     for i, d in enumerate(days):
         v = get(d)
         if v is None:
             runs.append([])
             continue
         runs[-1].append((x(i), y(v)))
-        dots.append(_Dot(x(i), y(v), f"{d.day.isoformat()}: {name} {pct(v)}"))
+        dots.append(_Point(x(i), y(v), f"{d.day.isoformat()}: {name} {pct(v)}"))
     lines = tuple(
         " ".join(f"{px:.1f},{py:.1f}" for px, py in points) for points in runs if len(points) > 1
     )
