@@ -153,7 +153,7 @@ class _Rule:
             if key not in KEYS:
                 raise self.fail(key, f"unknown key {key!r} (expected {', '.join(KEYS)})")
         ticket_class = self._class()
-        tenant = self._text("tenant", TENANT_MAX_LENGTH, required=False, empty_ok=True)
+        tenant = self._text("tenant", TENANT_MAX_LENGTH, empty_ok=True)
         tickets = self._tickets()
         first_day, last_day = self._day("first_day"), self._day("last_day")
         if (first_day is None) != (last_day is None):
@@ -171,16 +171,12 @@ class _Rule:
             )
         if tickets is not None and first_day is not None:
             raise self.fail("tickets", "give tickets or a day range, not both")
-        reason = self._text("reason", REASON_MAX_LENGTH, required=True)
-        author = self._text("author", AUTHOR_MAX_LENGTH, required=True)
-        assert reason is not None  # a required key is never None
-        assert author is not None
         return AcceptRule(
             number=self.number,
             line=self.lines.header(self.number),
             ticket_class=ticket_class,
-            reason=reason,
-            author=author,
+            reason=self._required("reason", REASON_MAX_LENGTH),
+            author=self._required("author", AUTHOR_MAX_LENGTH),
             tenant=tenant,
             tickets=tickets,
             first_day=first_day,
@@ -210,11 +206,16 @@ class _Rule:
             )
         return ticket_class
 
-    def _text(self, key: str, limit: int, *, required: bool, empty_ok: bool = False) -> str | None:
+    def _required(self, key: str, limit: int) -> str:
+        """A text key every rule has (reason, author): missing is an error, never None."""
+        value = self._text(key, limit)
+        if value is None:
+            raise self.fail(None, f"{key} is missing")
+        return value
+
+    def _text(self, key: str, limit: int, *, empty_ok: bool = False) -> str | None:
         value = self.raw.get(key)
         if value is None:
-            if required:
-                raise self.fail(None, f"{key} is missing")
             return None
         if not isinstance(value, str):
             raise self.fail(key, f"{key} must be a string")

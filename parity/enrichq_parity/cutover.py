@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from enrichq_parity.model import Approval, Tally, Thresholds, decide, plural
-from enrichq_parity.review import ReviewInputError, approvals_of, check_name
+from enrichq_parity.review import Refused, ReviewInputError, approvals_of, check_name, say_failure
 from enrichq_schema.errors import EnrichqError
 from enrichq_schema.identifiers import qualified, relation_exists, render
-from enrichq_schema.process import Exit, say
+from enrichq_schema.process import Exit
 from enrichq_schema.queries import Queries, load
 from enrichq_schema.tables import PUBLIC_SCHEMA
 
@@ -52,7 +52,7 @@ class CutoverError(EnrichqError):
     """Cutover cannot run on this database."""
 
 
-class CutoverRefused(EnrichqError):
+class CutoverRefused(Refused):
     """The cutover is refused (the parity gate, or a step that does not apply)."""
 
 
@@ -63,12 +63,17 @@ class Action(StrEnum):
     ROLLBACK = "rollback"
 
 
-class Mode(StrEnum):
-    """What the consumer view reads."""
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One step: the state it leads to, and the tenants it moves (None: every tenant)."""
 
-    LEGACY = "legacy"
-    STAGED = "staged"
-    SHADOW = "shadow"
+    target: ViewState
+    moved: tuple[str, ...] | None
+
+    @property
+    def changes(self) -> bool:
+        """Whether the step does anything."""
+        return self.moved is None or bool(self.moved)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,17 +88,12 @@ class ViewState:
         return self.mode is Mode.SHADOW or (self.mode is Mode.STAGED and tenant in self.tenants)
 
 
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """One step: the state it leads to, and the tenants it moves (None: every tenant)."""
+class Mode(StrEnum):
+    """What the consumer view reads."""
 
-    target: ViewState
-    moved: tuple[str, ...] | None
-
-    @property
-    def changes(self) -> bool:
-        """Whether the step does anything."""
-        return self.moved is None or bool(self.moved)
+    LEGACY = "legacy"
+    STAGED = "staged"
+    SHADOW = "shadow"
 
 
 def plan(current: ViewState, action: Action, tenants: Sequence[str] | None) -> Plan | None:
@@ -197,14 +197,18 @@ def _passing(run: GateRun, thresholds: Thresholds, tenant: str | None) -> list[s
 
 @dataclass(frozen=True, slots=True)
 class CutoverResult:
-    """What a cutover or rollback did (changed=False: it was there already)."""
+    """What a cutover or rollback did: the events it recorded (none: it was there already)."""
 
     action: Action
-    changed: bool
     state: ViewState
     event_ids: tuple[int, ...]
     parity_run_id: int | None
     message: str
+
+    @property
+    def changed(self) -> bool:
+        """Whether it moved anything (a step records one event per tenant moved, or one)."""
+        return bool(self.event_ids)
 
 
 def _queries() -> Queries:
@@ -255,7 +259,7 @@ def repoint(
     current = ensure_view(conn, settings)
     step = plan(current, action, tenants)
     if step is None:
-        return CutoverResult(action, False, current, (), None, _unchanged(action, tenants))
+        return CutoverResult(action, current, (), None, _unchanged(action, tenants))
     at: datetime = conn.execute(q("cutover_now"), {"now": now}).scalar_one()
     run = _gate_run(conn)
     if action is Action.CUTOVER:
@@ -281,7 +285,6 @@ def repoint(
     _apply(conn, settings, current, step, events)
     return CutoverResult(
         action,
-        True,
         step.target,
         events,
         run_id,
@@ -576,8 +579,7 @@ def run_cli(
         who = check_name(default_actor() if actor is None else actor, "--actor")
         chosen = check_tenants(tenants) if tenants else None
     except ReviewInputError as exc:
-        say(f"cutover: {exc}")
-        return Exit.USAGE
+        return say_failure("cutover", exc)
     engine = create_engine(
         settings,
         url,
@@ -596,12 +598,8 @@ def run_cli(
             return Exit.OK
         with engine.begin() as conn:
             result = repoint(conn, settings, action=action, tenants=chosen, actor=who)
-    except CutoverRefused as exc:
-        say(f"{action.value} refused: {exc}")
-        return Exit.FAILED
-    except CutoverError as exc:
-        say(f"{action.value}: {exc}")
-        return Exit.USAGE
+    except (CutoverRefused, CutoverError) as exc:
+        return say_failure(action.value, exc)
     except sa.exc.OperationalError as exc:
         if getattr(exc.orig, "sqlstate", None) != LOCK_NOT_AVAILABLE:
             raise

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, overload
 
 SAMPLE_LIMIT = 50
 """Mismatched tickets kept per class (the most differing orders first); the CSV has all."""
@@ -130,6 +130,20 @@ ORDER_FIELDS = ("legacy", "matched", "missing", "extra", "drift", "unverified")
 """The order counts of one aggregate row of the day query, in this order."""
 
 
+class _Tickets:
+    """A read-only Tally attribute: its tickets of some classes or exclusion reasons, summed."""
+
+    def __init__(self, kinds: Iterable[TicketClass | Exclusion]) -> None:
+        self.kinds = tuple(kinds)
+
+    @overload
+    def __get__(self, tally: None, owner: object) -> _Tickets: ...
+    @overload
+    def __get__(self, tally: Tally, owner: object) -> int: ...
+    def __get__(self, tally: Tally | None, owner: object) -> _Tickets | int:
+        return self if tally is None else sum(tally.count(k) for k in self.kinds)
+
+
 @dataclass(frozen=True, slots=True)
 class Tally:
     """Ticket counts per class and per exclusion reason, and order counts, over some tickets.
@@ -178,35 +192,18 @@ class Tally:
         """Tickets of one fault group."""
         return sum(self.count(c) for c in classes_of(fault))
 
-    @property
-    def compared(self) -> int:
-        """Tickets compared (every class)."""
-        return sum(self.count(c) for c in TicketClass)
-
-    @property
-    def excluded(self) -> int:
-        """Tickets in the window left out of the comparison."""
-        return sum(self.count(e) for e in Exclusion)
-
-    @property
-    def matching(self) -> int:
-        """Tickets on which both flows agree: exact plus drift only."""
-        return sum(self.count(c) for c in MATCHING)
-
-    @property
-    def mismatched(self) -> int:
-        """Tickets whose difference is someone's fault (shadow or legacy)."""
-        return sum(self.count(c) for c in MISMATCHED)
-
-    @property
-    def shadow_faults(self) -> int:
-        """Tickets on which enrichq is worse than legacy."""
-        return self.in_group(Fault.SHADOW)
-
-    @property
-    def legacy_faults(self) -> int:
-        """Tickets on which legacy is worse than enrichq."""
-        return self.in_group(Fault.LEGACY)
+    compared = _Tickets(TicketClass)
+    """Tickets compared (every class)."""
+    excluded = _Tickets(Exclusion)
+    """Tickets in the window left out of the comparison."""
+    matching = _Tickets(MATCHING)
+    """Tickets on which both flows agree: exact plus drift only."""
+    mismatched = _Tickets(MISMATCHED)
+    """Tickets whose difference is someone's fault (shadow or legacy)."""
+    shadow_faults = _Tickets(SHADOW_FAULTS)
+    """Tickets on which enrichq is worse than legacy."""
+    legacy_faults = _Tickets(LEGACY_FAULTS)
+    """Tickets on which legacy is worse than enrichq."""
 
     @property
     def accepted_legacy_faults(self) -> int:

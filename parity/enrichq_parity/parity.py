@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import UTC, date, datetime, timedelta
@@ -137,9 +137,8 @@ def run_parity(
         with _Export(csv_path) as export:
             compared = _compare(
                 read_engine,
+                list(day_windows(since, until)),
                 relations=relations,
-                since=since,
-                until=until,
                 young_after=young_after,
                 concurrency=settings.parity_concurrency,
                 progress=progress,
@@ -311,17 +310,16 @@ class _Day:
 
 def _compare(
     read_engine: sa.Engine,
+    windows: Sequence[tuple[date, datetime, datetime]],
     *,
     relations: Mapping[str, str],
-    since: datetime,
-    until: datetime,
     young_after: datetime,
     concurrency: int,
     progress: ProgressCallback | None,
     accept: AcceptFile | None,
     export: _Export,
 ) -> _Compared:
-    """Run the day query over each day; aggregate per day, per tenant, samples and rules.
+    """Run the day query over each day window; aggregate per day, per tenant, samples and rules.
 
     Up to `concurrency` days are compared at once, each in its own short transaction on its
     own connection; their rows are added up in day order, so the report does not depend on
@@ -330,7 +328,6 @@ def _compare(
     """
     q = _queries()
     statement = render(q["parity_day"], **relations)
-    windows = list(day_windows(since, until))
     rules = json.dumps([r.as_sql() for r in accept.rules] if accept else [])
 
     def read_day(window: tuple[date, datetime, datetime]) -> _Day:

@@ -30,6 +30,7 @@ from enrichq_parity.model import (
     Fault,
     Mismatch,
     ParityReport,
+    RuleResult,
     Tally,
     TicketClass,
     classes_of,
@@ -71,12 +72,8 @@ def to_html(report: ParityReport, approvals: Sequence[Approval] = ()) -> str:
         checklist=_checklist(report, approvals),
         cards=_cards(report),
         chart=_chart(report),
-        groups=_groups(t),
-        rules=_rules(report),
-        samples=[
-            _Sample(fault, FAULT_LABELS[fault], report.sample(fault), t.in_group(fault))
-            for fault in Fault
-        ],
+        groups=_groups(report),
+        rules=report.rules,
         orders=_orders(t),
         exclusions=[(EXCLUSION_LABELS[e], t.count(e)) for e in Exclusion],
         tenants=[
@@ -87,6 +84,7 @@ def to_html(report: ParityReport, approvals: Sequence[Approval] = ()) -> str:
         css=Markup(_css()),  # noqa: S704 -- our own stylesheet, shipped in the package
         fmt=_Format(),
         chips=chips,
+        rule_tickets=rule_tickets,
     )
     return page
 
@@ -167,27 +165,7 @@ class _Group:
     meaning: str
     tickets: int
     rows: tuple[_GroupRow, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class _RuleRow:
-    number: int
-    line: int
-    ticket_class: str
-    scope: str
-    reason: str
-    author: str
-    matched: int
-    tickets: tuple[str, ...]
-    more: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Sample:
-    fault: Fault
-    label: str
-    mismatches: tuple[Mismatch, ...]
-    of: int
+    sample: tuple[Mismatch, ...]  # the kept mismatches, the most differing orders first
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,7 +261,9 @@ def _cards(report: ParityReport) -> list[_Card]:
     ]
 
 
-def _groups(t: Tally) -> list[_Group]:
+def _groups(report: ParityReport) -> list[_Group]:
+    """Per fault group: its counts by class, and the sample of its mismatches."""
+    t = report.total
     out = []
     for fault in Fault:
         rows = tuple(
@@ -298,26 +278,22 @@ def _groups(t: Tally) -> list[_Group]:
             for c in classes_of(fault)
         )
         out.append(
-            _Group(fault, FAULT_LABELS[fault], FAULT_MEANINGS[fault], t.in_group(fault), rows)
+            _Group(
+                fault,
+                FAULT_LABELS[fault],
+                FAULT_MEANINGS[fault],
+                t.in_group(fault),
+                rows,
+                report.sample(fault),
+            )
         )
     return out
 
 
-def _rules(report: ParityReport) -> list[_RuleRow]:
-    return [
-        _RuleRow(
-            number=r.rule.number,
-            line=r.rule.line,
-            ticket_class=CLASS_LABELS[r.rule.ticket_class],
-            scope=r.rule.scope(),
-            reason=r.rule.reason,
-            author=r.rule.author,
-            matched=r.matched,
-            tickets=r.tickets[:MAX_RULE_CHIPS],
-            more=r.matched - min(len(r.tickets), MAX_RULE_CHIPS),
-        )
-        for r in report.rules
-    ]
+def rule_tickets(r: RuleResult) -> tuple[tuple[str, ...], int]:
+    """The ticket ids of an accept rule's cell, at most MAX_RULE_CHIPS, and how many more."""
+    shown = r.tickets[:MAX_RULE_CHIPS]
+    return shown, r.matched - len(shown)
 
 
 def chips(m: Mismatch) -> _Chips:
@@ -378,7 +354,9 @@ def _plain(value: datetime | None) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class _Text:
+class _Point:
+    """A place on the chart and its words: a label written there, or a dot's tooltip."""
+
     x: float
     y: float
     text: str
@@ -402,17 +380,10 @@ class _Bar:
 
 
 @dataclass(frozen=True, slots=True)
-class _Dot:
-    x: float
-    y: float
-    title: str
-
-
-@dataclass(frozen=True, slots=True)
 class _Series:
     css: str
     polylines: tuple[str, ...]
-    dots: tuple[_Dot, ...]
+    dots: tuple[_Point, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -423,10 +394,10 @@ class _Chart:
     right: int
     baseline: float
     grid: tuple[_Line, ...]
-    ticks: tuple[_Text, ...]
+    ticks: tuple[_Point, ...]
     bars: tuple[_Bar, ...]
-    labels: tuple[_Text, ...]
-    nodata: tuple[_Text, ...]
+    labels: tuple[_Point, ...]
+    nodata: tuple[_Point, ...]
     thresholds: tuple[_Line, ...]
     series: tuple[_Series, ...]
 
@@ -462,7 +433,7 @@ def _chart(report: ParityReport) -> _Chart | None:
     for k in range(round(span / step) + 1):
         v = low + k * step
         grid.append(_Line(y(v), "grid", ""))
-        ticks.append(_Text(left - 6, y(v) + 4, f"{v * 100:.{_decimals(step)}f}%", "end"))
+        ticks.append(_Point(left - 6, y(v) + 4, f"{v * 100:.{_decimals(step)}f}%", "end"))
     bar_items, labels, nodata = [], [], []
     label_every = max(1, math.ceil(len(days) / 14))
     for i, d in enumerate(days):
@@ -479,9 +450,9 @@ def _chart(report: ParityReport) -> _Chart | None:
             )
         )
         if i % label_every == 0 or i == len(days) - 1:
-            labels.append(_Text(x(i), height - bottom + 18, d.day.strftime("%m-%d")))
+            labels.append(_Point(x(i), height - bottom + 18, d.day.strftime("%m-%d")))
         if d.tally.compared == 0:
-            nodata.append(_Text(x(i), top + plot_h - 6, "no data"))
+            nodata.append(_Point(x(i), top + plot_h - 6, "no data"))
     thresholds = (
         _Line(y(bars.min_order_coverage), "cov", f"coverage bar {pct(bars.min_order_coverage)}"),
         _Line(
@@ -511,14 +482,14 @@ def _series(
 ) -> _Series:
     """A polyline per run of days with data, and a dot per day with a tooltip."""
     runs: list[list[tuple[float, float]]] = [[]]
-    dots: list[_Dot] = []
+    dots: list[_Point] = []
     for i, d in enumerate(days):
         v = get(d)
         if v is None:
             runs.append([])
             continue
         runs[-1].append((x(i), y(v)))
-        dots.append(_Dot(x(i), y(v), f"{d.day.isoformat()}: {name} {pct(v)}"))
+        dots.append(_Point(x(i), y(v), f"{d.day.isoformat()}: {name} {pct(v)}"))
     lines = tuple(
         " ".join(f"{px:.1f},{py:.1f}" for px, py in points) for points in runs if len(points) > 1
     )

@@ -33,7 +33,11 @@ class ReviewInputError(EnrichqError):
     """The review command's input is wrong (an unknown run, a bad name)."""
 
 
-class ApprovalRefused(EnrichqError):
+class Refused(EnrichqError):
+    """A review or cutover command refused (exit 1); its other errors are bad input (exit 2)."""
+
+
+class ApprovalRefused(Refused):
     """This run cannot be approved."""
 
 
@@ -247,6 +251,15 @@ def load_report(conn: sa.Connection, run_id: int) -> tuple[ParityReport, tuple[A
     return report, approvals_of(conn, [run_id])[run_id]
 
 
+def say_failure(command: str, exc: EnrichqError) -> int:
+    """Say in one line why `command` changed nothing; its exit code (1 refused, 2 bad input)."""
+    if isinstance(exc, Refused):
+        say(f"{command} refused: {exc}")
+        return Exit.FAILED
+    say(f"{command}: {exc}")
+    return Exit.USAGE
+
+
 def _printable(text: str) -> bool:
     return text.replace("\n", " ").replace("\t", " ").isprintable()
 
@@ -269,12 +282,8 @@ def approve_cli(settings: Settings, url: str, *, run_id: int, by: str, note: str
     try:
         with engine.begin() as conn:
             done = approve(conn, run_id, by=by, note=note)
-    except ReviewInputError as exc:
-        say(f"parity approve: {exc}")
-        return Exit.USAGE
-    except ApprovalRefused as exc:
-        say(f"parity approve refused: {exc}")
-        return Exit.FAILED
+    except (ReviewInputError, ApprovalRefused) as exc:
+        return say_failure("parity approve", exc)
     finally:
         engine.dispose()
     a = done.approval
@@ -333,8 +342,7 @@ def show_cli(
         with engine.connect() as conn:
             report, approvals = load_report(conn, run_id)
     except ReviewInputError as exc:
-        say(f"parity show: {exc}")
-        return Exit.USAGE
+        return say_failure("parity show", exc)
     finally:
         engine.dispose()
     if json_path is not None:
