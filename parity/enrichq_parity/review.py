@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from enrichq_parity.model import Approval, ParityReport, Tally, Thresholds, Verdict, decide, pct
+from enrichq_schema.db import as_record
 from enrichq_schema.errors import EnrichqError
 from enrichq_schema.process import Exit, say
 from enrichq_schema.queries import Queries, load
@@ -211,25 +212,10 @@ def list_runs(conn: sa.Connection, limit: int = RUNS_LIMIT_DEFAULT) -> list[RunR
             state, reason = "old", "recorded before verdicts by fault"
         else:
             state, reason = verdict.state, verdict.reason
+        signed = approvals[r.id]
+        unused = int(r.unused_rules)
         out.append(
-            RunRow(
-                id=r.id,
-                started_at=r.started_at,
-                finished_at=r.finished_at,
-                window_since=r.window_since,
-                window_until=r.window_until,
-                state=state,
-                reason=reason,
-                tickets_compared=r.tickets_compared,
-                order_coverage=r.order_coverage,
-                shadow_fault_rate=r.shadow_fault_rate,
-                legacy_faults=r.legacy_faults,
-                accepted_legacy_faults=r.accepted_legacy_faults,
-                accept_rules=r.accept_rules,
-                unused_rules=int(r.unused_rules),
-                accept_sha256=r.accept_sha256,
-                approvals=approvals[r.id],
-            )
+            as_record(RunRow, r, state=state, reason=reason, unused_rules=unused, approvals=signed)
         )
     return out
 

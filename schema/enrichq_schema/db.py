@@ -270,11 +270,13 @@ def _field_names(cls: type[DataclassInstance]) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls) if f.init)
 
 
-def as_record(cls: type[R], row: sa.Row[Any]) -> R:
-    """The frozen record `cls` made from `row`: each field from the column of its name.
+def as_record(cls: type[R], row: sa.Row[Any], **values: Any) -> R:
+    """The frozen record `cls` made from `row`: each field from the column of its name, or
+    from `values` (what the caller computed; it wins over a column of the same name).
 
-    A field whose column the statement does not return keeps its default (and one without
-    a default is a TypeError naming it); columns that are not fields are left out.
+    A field found in neither keeps its default (and one without a default is a TypeError
+    naming it); columns that are not fields are left out.
     """
     columns = row._mapping
-    return cls(**{name: columns[name] for name in _field_names(cls) if name in columns})
+    found = {name: columns[name] for name in _field_names(cls) if name in columns}
+    return cls(**(found | values))
