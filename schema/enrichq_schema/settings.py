@@ -19,6 +19,7 @@ from pydantic import (
     PositiveFloat,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -85,166 +86,126 @@ class Settings(BaseSettings):
         extra="forbid",
         frozen=True,
         validate_default=True,
+        # each field's docstring is its description
+        use_attribute_docstrings=True,
     )
 
     # Set by ``Settings.load(config_file=...)`` before construction; pydantic-settings
     # reads it in ``settings_customise_sources``.
     _toml_file: ClassVar[Path | None] = None
 
-    database_url: str | None = Field(
-        default=None, description="SQLAlchemy URL of the queue database; unset = embedded."
+    database_url: str | None = None
+    """SQLAlchemy URL of the queue database; unset = embedded."""
+    warehouse_url: str | None = None
+    """SQLAlchemy URL of the warehouse; unset = the queue database."""
+    parity_database_url: str | None = None
+    """Where parity reads (a read replica); unset = the database."""
+    listen_database_url: str | None = None
+    """A direct (unpooled) URL of the queue database for LISTEN; unset = the database in session
+    pool mode, no LISTEN (polling alone) in transaction pool mode.
+    """
+    pool_mode: PoolMode = PoolMode.SESSION
+    """session, or transaction behind a transaction pooler (PgBouncer): settings per transaction,
+    nothing prepared, sweeper leadership by a lease row.
+    """
+    network_timeout_seconds: Annotated[float, Field(ge=0, le=NETWORK_TIMEOUT_SECONDS_MAX)] = (
+        NETWORK_TIMEOUT_SECONDS_DEFAULT
     )
-    warehouse_url: str | None = Field(
-        default=None, description="SQLAlchemy URL of the warehouse; unset = the queue database."
-    )
-    parity_database_url: str | None = Field(
-        default=None, description="Where parity reads (a read replica); unset = the database."
-    )
-    listen_database_url: str | None = Field(
-        default=None,
-        description="A direct (unpooled) URL of the queue database for LISTEN; unset = the "
-        "database in session pool mode, no LISTEN (polling alone) in transaction pool mode.",
-    )
-    pool_mode: PoolMode = Field(
-        default=PoolMode.SESSION,
-        description="session, or transaction behind a transaction pooler (PgBouncer): "
-        "settings per transaction, nothing prepared, sweeper leadership by a lease row.",
-    )
-    network_timeout_seconds: Annotated[float, Field(ge=0, le=NETWORK_TIMEOUT_SECONDS_MAX)] = Field(
-        default=NETWORK_TIMEOUT_SECONDS_DEFAULT,
-        description="How long a dead network or a silent server may go unnoticed "
-        "(keepalives, tcp_user_timeout, connect_timeout, reply waits); 0 = libpq's defaults.",
-    )
-    mode: Mode = Field(default=Mode.SHADOW, description="shadow (default) or live.")
-    lease_seconds: PositiveFloat = Field(default=LEASE_SECONDS_DEFAULT, description="Lease length.")
-    heartbeat_seconds: PositiveFloat = Field(
-        default=HEARTBEAT_SECONDS_DEFAULT, description="Heartbeat period; < lease/2."
-    )
-    delay_created_seconds: NonNegativeFloat = Field(
-        default=DELAY_CREATED_SECONDS_DEFAULT, description="Visibility delay, new ticket."
-    )
-    delay_updated_seconds: NonNegativeFloat = Field(
-        default=DELAY_UPDATED_SECONDS_DEFAULT, description="Visibility delay, activity."
-    )
+    """How long a dead network or a silent server may go unnoticed (keepalives, tcp_user_timeout,
+    connect_timeout, reply waits); 0 = libpq's defaults.
+    """
+    mode: Mode = Mode.SHADOW
+    """shadow (default) or live."""
+    lease_seconds: PositiveFloat = LEASE_SECONDS_DEFAULT
+    """Lease length."""
+    heartbeat_seconds: PositiveFloat = HEARTBEAT_SECONDS_DEFAULT
+    """Heartbeat period; < lease/2."""
+    delay_created_seconds: NonNegativeFloat = DELAY_CREATED_SECONDS_DEFAULT
+    """Visibility delay, new ticket."""
+    delay_updated_seconds: NonNegativeFloat = DELAY_UPDATED_SECONDS_DEFAULT
+    """Visibility delay, activity."""
     max_attempts: int = Field(default=MAX_ATTEMPTS_DEFAULT, ge=1, le=100, description="Claims.")
-    backoff_base_seconds: NonNegativeFloat = Field(
-        default=BACKOFF_BASE_SECONDS_DEFAULT, description="Retry backoff base."
-    )
-    backoff_cap_seconds: NonNegativeFloat = Field(
-        default=BACKOFF_CAP_SECONDS_DEFAULT, description="Retry backoff cap."
-    )
-    attempt_deadline_seconds: PositiveFloat = Field(
-        default=ATTEMPT_DEADLINE_SECONDS_DEFAULT, description="One attempt's time limit."
-    )
-    sweep_interval_seconds: PositiveFloat = Field(
-        default=SWEEP_INTERVAL_SECONDS_DEFAULT, description="Lease recovery period."
-    )
-    poll_seconds: PositiveFloat = Field(
-        default=POLL_SECONDS_DEFAULT, description="Backstop poll when no NOTIFY arrives."
-    )
-    priority_aging_seconds: PositiveFloat = Field(
-        default=PRIORITY_AGING_SECONDS_DEFAULT,
-        description="Seconds a queued row waits visible to rise one plan level in the claim.",
-    )
+    backoff_base_seconds: NonNegativeFloat = BACKOFF_BASE_SECONDS_DEFAULT
+    """Retry backoff base."""
+    backoff_cap_seconds: NonNegativeFloat = BACKOFF_CAP_SECONDS_DEFAULT
+    """Retry backoff cap."""
+    attempt_deadline_seconds: PositiveFloat = ATTEMPT_DEADLINE_SECONDS_DEFAULT
+    """One attempt's time limit."""
+    sweep_interval_seconds: PositiveFloat = SWEEP_INTERVAL_SECONDS_DEFAULT
+    """Lease recovery period."""
+    poll_seconds: PositiveFloat = POLL_SECONDS_DEFAULT
+    """Backstop poll when no NOTIFY arrives."""
+    priority_aging_seconds: PositiveFloat = PRIORITY_AGING_SECONDS_DEFAULT
+    """Seconds a queued row waits visible to rise one plan level in the claim."""
     concurrency: int = Field(
         default=CONCURRENCY_DEFAULT, ge=1, le=1024, description="Jobs in flight per worker."
     )
-    retention_days: PositiveFloat = Field(
-        default=RETENTION_DAYS_DEFAULT, description="Keep done/failed rows this long."
+    retention_days: PositiveFloat = RETENTION_DAYS_DEFAULT
+    """Keep done/failed rows this long."""
+    dead_letter_retention_days: PositiveFloat = DEAD_LETTER_RETENTION_DAYS_DEFAULT
+    """Keep dead letters."""
+    daily_bytes_budget: NonNegativeInt = 0
+    """Warehouse bytes billed per UTC day; 0 = no budget."""
+    enricher: str | None = None
+    """package.module:function of a per-ticket enrichment (not the batch one)."""
+    batch_enricher: str | None = None
+    """package.module:function of a batch enrichment; unset = the built-in lookup."""
+    lookup_batch_size: Annotated[int, Field(ge=1, le=1000)] = LOOKUP_BATCH_SIZE_DEFAULT
+    """Tickets a batch enricher gets at once (one warehouse query)."""
+    warehouse_max_concurrency: Annotated[int, Field(ge=0, le=10_000)] = 0
+    """Warehouse lookups running at once, fleet-wide; 0 = no cap."""
+    gave_up_hook: str = BUILTIN_GAVE_UP_HOOK
+    """Called with rows whose attempts are spent."""
+    tickets_table: str = "helpdesk.tickets"
+    """The help desk's ticket mirror (schema.table)."""
+    customers_table: str = "warehouse.customers"
+    """Warehouse customers ([catalog.]schema.table)."""
+    orders_table: str = "warehouse.orders"
+    """Warehouse orders ([catalog.]schema.table)."""
+    legacy_table: str = "legacy.ticket_orders"
+    """What the legacy flow wrote."""
+    webhook_secret: SecretStr | None = None
+    """HMAC keys of POST /v1/events, comma-separated (any one verifies, for rotation); unset
+    refuses every event.
+    """
+    webhook_tolerance_seconds: PositiveFloat = 300
+    """Accepted clock skew of a signed event's timestamp."""
+    event_dedupe_hours: Annotated[float, Field(gt=0, le=EVENT_DEDUPE_HOURS_MAX)] = (
+        EVENT_DEDUPE_HOURS_DEFAULT
     )
-    dead_letter_retention_days: PositiveFloat = Field(
-        default=DEAD_LETTER_RETENTION_DAYS_DEFAULT, description="Keep dead letters."
-    )
-    daily_bytes_budget: NonNegativeInt = Field(
-        default=0, description="Warehouse bytes billed per UTC day; 0 = no budget."
-    )
-    enricher: str | None = Field(
-        default=None,
-        description="package.module:function of a per-ticket enrichment (not the batch one).",
-    )
-    batch_enricher: str | None = Field(
-        default=None,
-        description="package.module:function of a batch enrichment; unset = the built-in lookup.",
-    )
-    lookup_batch_size: Annotated[int, Field(ge=1, le=1000)] = Field(
-        default=LOOKUP_BATCH_SIZE_DEFAULT,
-        description="Tickets a batch enricher gets at once (one warehouse query).",
-    )
-    warehouse_max_concurrency: Annotated[int, Field(ge=0, le=10_000)] = Field(
-        default=0,
-        description="Warehouse lookups running at once, fleet-wide; 0 = no cap.",
-    )
-    gave_up_hook: str = Field(
-        default=BUILTIN_GAVE_UP_HOOK, description="Called with rows whose attempts are spent."
-    )
-    tickets_table: str = Field(
-        default="helpdesk.tickets", description="The help desk's ticket mirror (schema.table)."
-    )
-    customers_table: str = Field(
-        default="warehouse.customers",
-        description="Warehouse customers ([catalog.]schema.table).",
-    )
-    orders_table: str = Field(
-        default="warehouse.orders", description="Warehouse orders ([catalog.]schema.table)."
-    )
-    legacy_table: str = Field(
-        default="legacy.ticket_orders", description="What the legacy flow wrote."
-    )
-    webhook_secret: SecretStr | None = Field(
-        default=None,
-        description="HMAC keys of POST /v1/events, comma-separated (any one verifies, for "
-        "rotation); unset refuses every event.",
-    )
-    webhook_tolerance_seconds: PositiveFloat = Field(
-        default=300, description="Accepted clock skew of a signed event's timestamp."
-    )
-    event_dedupe_hours: Annotated[float, Field(gt=0, le=EVENT_DEDUPE_HOURS_MAX)] = Field(
-        default=EVENT_DEDUPE_HOURS_DEFAULT,
-        description="A webhook event id seen this recently is a redelivery: acknowledged, "
-        "not enqueued again.",
-    )
+    """A webhook event id seen this recently is a redelivery: acknowledged, not enqueued again."""
     max_body_bytes: int = Field(
         default=1_048_576, ge=1024, description="Largest accepted POST /v1/events body."
     )
-    http_host: str = Field(default="0.0.0.0", description="Address `serve` binds.")  # noqa: S104 -- a service listens on all interfaces in its container
+    http_host: str = "0.0.0.0"  # noqa: S104 -- a service listens on all interfaces in its container
+    """Address `serve` binds."""
     http_port: int = Field(default=HTTP_PORT_DEFAULT, ge=0, le=65535, description="HTTP port.")
     metrics_port: int = Field(
         default=METRICS_PORT_DEFAULT, ge=0, le=65535, description="/metrics without HTTP server."
     )
-    shutdown_grace_seconds: NonNegativeFloat = Field(
-        default=30, description="How long in-flight work may finish on SIGTERM."
-    )
-    refresh_interval_seconds: PositiveFloat = Field(
-        default=3600, description="How often the sweeper enqueues refresh work."
-    )
-    parity_grace_seconds: NonNegativeFloat = Field(
-        default=3600, description="Extra age past the visibility delay before parity."
-    )
-    parity_interval_hours: NonNegativeFloat = Field(
-        default=0, description="Sweeper runs parity this often; 0 = never."
-    )
-    parity_min_order_coverage: Fraction = Field(
-        default=PARITY_MIN_ORDER_COVERAGE_DEFAULT,
-        description="Parity pass bar: |shadow ∩ legacy| / |legacy| over the orders.",
-    )
-    parity_min_ticket_match_rate: Fraction = Field(
-        default=PARITY_MIN_TICKET_MATCH_RATE_DEFAULT,
-        description="Below it the report marks how often both flows agree; not a pass bar.",
-    )
-    parity_max_shadow_fault_rate: Fraction = Field(
-        default=PARITY_MAX_SHADOW_FAULT_RATE_DEFAULT,
-        description="Parity pass bar: tickets that are enrichq's fault / tickets compared.",
-    )
-    parity_max_age_hours: PositiveFloat = Field(
-        default=PARITY_MAX_AGE_HOURS_DEFAULT, description="Cutover needs a younger run."
-    )
+    shutdown_grace_seconds: NonNegativeFloat = 30
+    """How long in-flight work may finish on SIGTERM."""
+    refresh_interval_seconds: PositiveFloat = 3600
+    """How often the sweeper enqueues refresh work."""
+    parity_grace_seconds: NonNegativeFloat = 3600
+    """Extra age past the visibility delay before parity."""
+    parity_interval_hours: NonNegativeFloat = 0
+    """Sweeper runs parity this often; 0 = never."""
+    parity_min_order_coverage: Fraction = PARITY_MIN_ORDER_COVERAGE_DEFAULT
+    """Parity pass bar: |shadow ∩ legacy| / |legacy| over the orders."""
+    parity_min_ticket_match_rate: Fraction = PARITY_MIN_TICKET_MATCH_RATE_DEFAULT
+    """Below it the report marks how often both flows agree; not a pass bar."""
+    parity_max_shadow_fault_rate: Fraction = PARITY_MAX_SHADOW_FAULT_RATE_DEFAULT
+    """Parity pass bar: tickets that are enrichq's fault / tickets compared."""
+    parity_max_age_hours: PositiveFloat = PARITY_MAX_AGE_HOURS_DEFAULT
+    """Cutover needs a younger run."""
     parity_concurrency: int = Field(
         default=2, ge=1, le=16, description="Days parity compares at once, a connection each."
     )
-    statement_timeout_seconds: PositiveFloat = Field(
-        default=30, description="Limit on every statement of the sweeper and parity."
-    )
-    log_level: str = Field(default="INFO", description="Python logging level.")
+    statement_timeout_seconds: PositiveFloat = 30
+    """Limit on every statement of the sweeper and parity."""
+    log_level: str = "INFO"
+    """Python logging level."""
 
     @classmethod
     def settings_customise_sources(
@@ -312,24 +273,19 @@ class Settings(BaseSettings):
             raise ValueError("expected package.module:function")
         return value
 
-    @field_validator("tickets_table", "legacy_table")
+    @field_validator("tickets_table", "legacy_table", "customers_table", "orders_table")
     @classmethod
-    def _qualified_name(cls, value: str) -> str:
+    def _table_name(cls, value: str, info: ValidationInfo) -> str:
         parts = value.split(".")
-        if len(parts) != 2 or not all(p.isidentifier() for p in parts):
+        if info.field_name in {"customers_table", "orders_table"}:
+            # a warehouse table may name its catalog too: a BigQuery project
+            # (my-project.sales.orders), a DuckDB file's catalog (dw.warehouse.orders)
+            if len(parts) not in (2, 3) or not all(WAREHOUSE_NAME_PART.fullmatch(p) for p in parts):
+                raise ValueError(
+                    "expected schema.table or catalog.schema.table (letters, digits, _ and -)"
+                )
+        elif len(parts) != 2 or not all(p.isidentifier() for p in parts):
             raise ValueError("expected schema.table with plain identifiers")
-        return value
-
-    @field_validator("customers_table", "orders_table")
-    @classmethod
-    def _warehouse_table(cls, value: str) -> str:
-        # a warehouse table may name its catalog too: a BigQuery project
-        # (my-project.sales.orders), a DuckDB file's catalog (dw.warehouse.orders)
-        parts = value.split(".")
-        if len(parts) not in (2, 3) or not all(WAREHOUSE_NAME_PART.fullmatch(p) for p in parts):
-            raise ValueError(
-                "expected schema.table or catalog.schema.table (letters, digits, _ and -)"
-            )
         return value
 
     @field_validator("log_level")
