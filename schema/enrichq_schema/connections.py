@@ -42,6 +42,12 @@ def create_engine(settings: Settings, url: str, **options: Any) -> sa.Engine:
     return db.create_engine(url, **engine_options(settings), **options)
 
 
+def warehouse_engine(settings: Settings, url: str, **options: Any) -> sa.Engine:
+    """An engine of the warehouse, of any dialect: a PostgreSQL one as the settings say,
+    like every enrichq engine (pool mode, network timeouts); see `db.create_warehouse_engine`."""
+    return db.create_warehouse_engine(url, **engine_options(settings), **options)
+
+
 def listen_url(settings: Settings, url: str) -> str | None:
     """Where LISTEN connects, or None for no LISTEN (polling alone)."""
     if settings.listen_database_url:

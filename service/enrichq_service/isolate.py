@@ -105,7 +105,7 @@ def _enrich_one(choice: EnricherChoice, ticket: Ticket, context: EnrichContext) 
 
 def _child() -> int:
     """The child's side: read the request, run the enricher, write the answer."""
-    from enrichq_schema.db import create_warehouse_engine
+    from enrichq_schema.connections import warehouse_engine
     from enrichq_service.enrich import choose, validate
 
     request = json.loads(sys.stdin.buffer.read())
@@ -118,8 +118,9 @@ def _child() -> int:
         datetime.fromisoformat(t["created_at"]) if t["created_at"] else None,
         datetime.fromisoformat(t["updated_at"]) if t["updated_at"] else None,
     )
-    warehouse = create_warehouse_engine(
-        request["warehouse_url"], application_name="enrichq-isolated", pool_size=1
+    # the worker's pool mode and network timeouts, as for every enrichq engine
+    warehouse = warehouse_engine(
+        settings, request["warehouse_url"], application_name="enrichq-isolated", pool_size=1
     )
     answer: dict[str, Any]
     try:

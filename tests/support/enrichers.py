@@ -262,3 +262,14 @@ def slot_probe(tickets: Sequence[Ticket], context: EnrichContext) -> Mapping[str
     with open(path, "w") as f:
         f.write(str(end))
     return {t.id: Enrichment((Order(f"O-{t.id}"),), job_id=f"probe-{end}") for t in tickets}
+
+
+def warehouse_session(ticket: Ticket, context: EnrichContext) -> Enrichment:
+    """Orders that describe the warehouse connection this enricher was given: its libpq
+    tcp_user_timeout and psycopg prepare threshold (what the settings should have set)."""
+    with context.warehouse.connect() as conn:
+        driver = conn.connection.driver_connection
+        assert driver is not None
+        timeout = driver.info.get_parameters().get("tcp_user_timeout", "unset")
+        threshold = driver.prepare_threshold
+    return Enrichment((Order(f"tcp_user_timeout={timeout}"), Order(f"prepare={threshold}")))

@@ -7,8 +7,7 @@ from typing import NamedTuple
 
 import sqlalchemy as sa
 
-from enrichq_schema.connections import create_engine, engine_options
-from enrichq_schema.db import create_warehouse_engine
+from enrichq_schema.connections import create_engine, warehouse_engine
 from enrichq_schema.settings import Settings
 
 
@@ -61,9 +60,7 @@ def build_engines(settings: Settings, url: str) -> WorkerEngines:
         generic_plans=True,
         asynchronous_commit=True,
     )
-    warehouse = create_warehouse_engine(
-        settings.warehouse_url or url,
-        pool_size=settings.concurrency,
-        **engine_options(settings),
+    warehouse = warehouse_engine(
+        settings, settings.warehouse_url or url, pool_size=settings.concurrency
     )
     return WorkerEngines(queue, claims, warehouse)
