@@ -70,11 +70,6 @@ class Plan:
     target: ViewState
     moved: tuple[str, ...] | None
 
-    @property
-    def changes(self) -> bool:
-        """Whether the step does anything."""
-        return self.moved is None or bool(self.moved)
-
 
 @dataclass(frozen=True, slots=True)
 class ViewState:
