@@ -347,31 +347,17 @@ def _control(
     from enrichq_sweeper.filters import Filter
 
     action = AuditCommand(command)
+    # what is not how to act (--actor, --dry-run, --json) is the filter's criteria
+    criteria = dict(options)
+    actor, dry_run, as_json = (criteria.pop(name) for name in ("actor", "dry_run", "as_json"))
     try:
-        flt = Filter.build(
-            SCOPE_OF[action],
-            ids=options["ids"],
-            keys=options["keys"],
-            tenant=options["tenant"],
-            kind=options["kind"],
-            reason=options["reason"],
-            older_than=options["older_than"],
-            all_rows=options["all_rows"],
-        )
-        actor = check_actor(options["actor"] or default_actor())
+        flt = Filter.build(SCOPE_OF[action], **criteria)
+        actor = check_actor(actor or default_actor())
     except (FilterError, AuditInputError) as exc:
         fail(f"{command}: {exc}")
     settings = ctx.settings
     with ctx.database() as url:
-        run_cli(
-            settings,
-            url,
-            action,
-            flt,
-            actor=actor,
-            dry_run=options["dry_run"],
-            as_json=options["as_json"],
-        )
+        run_cli(settings, url, action, flt, actor=actor, dry_run=dry_run, as_json=as_json)
 
 
 @dlq.command("redrive", epilog=FILTER_HELP)
