@@ -266,8 +266,14 @@ def rerun_lost_races(conn: sa.Connection, statement: Callable[[], T]) -> T:
 
 
 @cache
-def _field_names(cls: type[DataclassInstance]) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls) if f.init)
+def _columns_of(
+    cls: type[DataclassInstance], columns: tuple[str, ...]
+) -> tuple[tuple[str, ...], Callable[[sa.Row[Any]], tuple[Any, ...]]]:
+    """The fields of `cls` that a row of `columns` holds, and what reads them from one."""
+    names = tuple(f.name for f in dataclasses.fields(cls) if f.init and f.name in columns)
+    at = [columns.index(name) for name in names]
+    # by position: on the claim's hot path, faster than the row's attributes or mapping
+    return names, lambda row: tuple(row[i] for i in at)
 
 
 def as_record(cls: type[R], row: sa.Row[Any], **values: Any) -> R:
@@ -277,6 +283,6 @@ def as_record(cls: type[R], row: sa.Row[Any], **values: Any) -> R:
     A field found in neither keeps its default (and one without a default is a TypeError
     naming it); columns that are not fields are left out.
     """
-    columns = row._mapping
-    found = {name: columns[name] for name in _field_names(cls) if name in columns}
-    return cls(**(found | values))
+    names, read = _columns_of(cls, row._fields)
+    found = dict(zip(names, read(row), strict=True))
+    return cls(**(found | values if values else found))
