@@ -426,12 +426,14 @@ class ScopeOptions(TypedDict):
     as_json: bool
 
 
-def scope_options(whose: str) -> Decorator:
-    """The options of `ScopeOptions`; `whose` says whose kind and tenant they name."""
+def scope_options(whose: str, *own: Decorator) -> Decorator:
+    """The options of `ScopeOptions` (`whose` says whose kind and tenant they name), with a
+    command's `own` options after the scope in --help."""
     kinds = click.Choice([k.value for k in Kind])
-    options = [
+    options: list[Decorator] = [
         click.option("--kind", type=kinds, help=f"{whose.capitalize()} kind."),
         click.option("--tenant", default=None, help=f"{whose.capitalize()} brand or account."),
+        *own,
         ACTOR_OPTION,
         JSON_OPTION,
     ]
@@ -439,8 +441,10 @@ def scope_options(whose: str) -> Decorator:
 
 
 @cli.command(epilog=PAUSE_HELP)
-@scope_options("only this")
-@click.option("--reason", default=None, help="Why (shown by status and the audit log).")
+@scope_options(
+    "only this",
+    click.option("--reason", default=None, help="Why (shown by status and the audit log)."),
+)
 @pass_context
 def pause(ctx: Context, /, *, reason: str | None, **scope: Unpack[ScopeOptions]) -> None:
     """Stop workers claiming work of a kind, a tenant, both, or (neither given) all work."""
@@ -460,8 +464,10 @@ def pause(ctx: Context, /, *, reason: str | None, **scope: Unpack[ScopeOptions])
 
 
 @cli.command(epilog=PAUSE_HELP)
-@scope_options("the paused")
-@click.option("--all", "all_pauses", is_flag=True, help="Every pause in place (alone).")
+@scope_options(
+    "the paused",
+    click.option("--all", "all_pauses", is_flag=True, help="Every pause in place (alone)."),
+)
 @pass_context
 def resume(ctx: Context, /, *, all_pauses: bool, **scope: Unpack[ScopeOptions]) -> None:
     """Resume the pause of exactly this scope (as it was paused), or --all of them."""
