@@ -69,6 +69,8 @@ NETWORK_TIMEOUT_SECONDS_MAX = 600
 WAREHOUSE_NAME_PART = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 # a share of a whole, 0 to 1 (the parity bars)
 Fraction = Annotated[float, Field(ge=0, le=1)]
+# a TCP port; 0 = one the system picks
+Port = Annotated[int, Field(ge=0, le=65535)]
 
 
 class Mode(StrEnum):
@@ -124,7 +126,8 @@ class Settings(BaseSettings):
     """Visibility delay, new ticket."""
     delay_updated_seconds: NonNegativeFloat = DELAY_UPDATED_SECONDS_DEFAULT
     """Visibility delay, activity."""
-    max_attempts: int = Field(default=MAX_ATTEMPTS_DEFAULT, ge=1, le=100, description="Claims.")
+    max_attempts: Annotated[int, Field(ge=1, le=100)] = MAX_ATTEMPTS_DEFAULT
+    """Claims."""
     backoff_base_seconds: NonNegativeFloat = BACKOFF_BASE_SECONDS_DEFAULT
     """Retry backoff base."""
     backoff_cap_seconds: NonNegativeFloat = BACKOFF_CAP_SECONDS_DEFAULT
@@ -137,9 +140,8 @@ class Settings(BaseSettings):
     """Backstop poll when no NOTIFY arrives."""
     priority_aging_seconds: PositiveFloat = PRIORITY_AGING_SECONDS_DEFAULT
     """Seconds a queued row waits visible to rise one plan level in the claim."""
-    concurrency: int = Field(
-        default=CONCURRENCY_DEFAULT, ge=1, le=1024, description="Jobs in flight per worker."
-    )
+    concurrency: Annotated[int, Field(ge=1, le=1024)] = CONCURRENCY_DEFAULT
+    """Jobs in flight per worker."""
     retention_days: PositiveFloat = RETENTION_DAYS_DEFAULT
     """Keep done/failed rows this long."""
     dead_letter_retention_days: PositiveFloat = DEAD_LETTER_RETENTION_DAYS_DEFAULT
@@ -174,15 +176,14 @@ class Settings(BaseSettings):
         EVENT_DEDUPE_HOURS_DEFAULT
     )
     """A webhook event id seen this recently is a redelivery: acknowledged, not enqueued again."""
-    max_body_bytes: int = Field(
-        default=1_048_576, ge=1024, description="Largest accepted POST /v1/events body."
-    )
+    max_body_bytes: Annotated[int, Field(ge=1024)] = 1_048_576
+    """Largest accepted POST /v1/events body."""
     http_host: str = "0.0.0.0"  # noqa: S104 -- a service listens on all interfaces in its container
     """Address `serve` binds."""
-    http_port: int = Field(default=HTTP_PORT_DEFAULT, ge=0, le=65535, description="HTTP port.")
-    metrics_port: int = Field(
-        default=METRICS_PORT_DEFAULT, ge=0, le=65535, description="/metrics without HTTP server."
-    )
+    http_port: Port = HTTP_PORT_DEFAULT
+    """HTTP port."""
+    metrics_port: Port = METRICS_PORT_DEFAULT
+    """/metrics without HTTP server."""
     shutdown_grace_seconds: NonNegativeFloat = 30
     """How long in-flight work may finish on SIGTERM."""
     refresh_interval_seconds: PositiveFloat = 3600
@@ -199,9 +200,8 @@ class Settings(BaseSettings):
     """Parity pass bar: tickets that are enrichq's fault / tickets compared."""
     parity_max_age_hours: PositiveFloat = PARITY_MAX_AGE_HOURS_DEFAULT
     """Cutover needs a younger run."""
-    parity_concurrency: int = Field(
-        default=2, ge=1, le=16, description="Days parity compares at once, a connection each."
-    )
+    parity_concurrency: Annotated[int, Field(ge=1, le=16)] = 2
+    """Days parity compares at once, a connection each."""
     statement_timeout_seconds: PositiveFloat = 30
     """Limit on every statement of the sweeper and parity."""
     log_level: str = "INFO"
