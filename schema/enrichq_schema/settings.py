@@ -126,8 +126,7 @@ class Settings(BaseSettings):
     """Visibility delay, new ticket."""
     delay_updated_seconds: NonNegativeFloat = DELAY_UPDATED_SECONDS_DEFAULT
     """Visibility delay, activity."""
-    max_attempts: Annotated[int, Field(ge=1, le=100)] = MAX_ATTEMPTS_DEFAULT
-    """Claims."""
+    max_attempts: int = Field(default=MAX_ATTEMPTS_DEFAULT, ge=1, le=100, description="Claims.")
     backoff_base_seconds: NonNegativeFloat = BACKOFF_BASE_SECONDS_DEFAULT
     """Retry backoff base."""
     backoff_cap_seconds: NonNegativeFloat = BACKOFF_CAP_SECONDS_DEFAULT
@@ -140,8 +139,9 @@ class Settings(BaseSettings):
     """Backstop poll when no NOTIFY arrives."""
     priority_aging_seconds: PositiveFloat = PRIORITY_AGING_SECONDS_DEFAULT
     """Seconds a queued row waits visible to rise one plan level in the claim."""
-    concurrency: Annotated[int, Field(ge=1, le=1024)] = CONCURRENCY_DEFAULT
-    """Jobs in flight per worker."""
+    concurrency: int = Field(
+        default=CONCURRENCY_DEFAULT, ge=1, le=1024, description="Jobs in flight per worker."
+    )
     retention_days: PositiveFloat = RETENTION_DAYS_DEFAULT
     """Keep done/failed rows this long."""
     dead_letter_retention_days: PositiveFloat = DEAD_LETTER_RETENTION_DAYS_DEFAULT
@@ -176,8 +176,9 @@ class Settings(BaseSettings):
         EVENT_DEDUPE_HOURS_DEFAULT
     )
     """A webhook event id seen this recently is a redelivery: acknowledged, not enqueued again."""
-    max_body_bytes: Annotated[int, Field(ge=1024)] = 1_048_576
-    """Largest accepted POST /v1/events body."""
+    max_body_bytes: int = Field(
+        default=1_048_576, ge=1024, description="Largest accepted POST /v1/events body."
+    )
     http_host: str = "0.0.0.0"  # noqa: S104 -- a service listens on all interfaces in its container
     """Address `serve` binds."""
     http_port: Port = HTTP_PORT_DEFAULT
@@ -200,8 +201,9 @@ class Settings(BaseSettings):
     """Parity pass bar: tickets that are enrichq's fault / tickets compared."""
     parity_max_age_hours: PositiveFloat = PARITY_MAX_AGE_HOURS_DEFAULT
     """Cutover needs a younger run."""
-    parity_concurrency: Annotated[int, Field(ge=1, le=16)] = 2
-    """Days parity compares at once, a connection each."""
+    parity_concurrency: int = Field(
+        default=2, ge=1, le=16, description="Days parity compares at once, a connection each."
+    )
     statement_timeout_seconds: PositiveFloat = 30
     """Limit on every statement of the sweeper and parity."""
     log_level: str = "INFO"
