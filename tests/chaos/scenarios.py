@@ -193,31 +193,58 @@ def quiet(engine: sa.Engine) -> bool:
     ) == [(0,)]
 
 
+DONE = "SELECT count(*) FROM enrichq.queue WHERE state = 'done'"
+
+
 def drained(engine: sa.Engine, fleet: Fleet | None = None, timeout: float = 240) -> None:
     def check() -> bool:
         if fleet is not None:
             fleet.revive()
         return quiet(engine)
 
+    watched(engine, fleet, check, timeout=timeout, interval=0.25, what="the queue to drain")
+
+
+def reached(engine: sa.Engine, fleet: Fleet, rows: float, *, what: str) -> None:
+    """Wait until `rows` queue rows are done."""
+    watched(engine, fleet, lambda: q(engine, DONE)[0][0] >= rows, timeout=240, what=what)
+
+
+def watched(
+    engine: sa.Engine,
+    fleet: Fleet | None,
+    condition: Callable[[], bool],
+    *,
+    timeout: float,
+    what: str,
+    interval: float = 0.05,
+) -> None:
+    """`wait_for`, whose failure also says what the queue and the fleet look like."""
     try:
-        wait_for(check, timeout=timeout, interval=0.25, what="the queue to drain")
+        wait_for(condition, timeout=timeout, interval=interval, what=what)
     except AssertionError as exc:
         raise AssertionError(f"{exc}; {stuck(engine, fleet)}") from None
 
 
 def stuck(engine: sa.Engine, fleet: Fleet | None) -> str:
-    """What the queue and the fleet look like when they stop draining (for the message)."""
+    """What the queue and the fleet look like when they stop draining (for the message):
+    the open rows, the processes' exit codes and the last line each process logged."""
     open_rows = q(
         engine,
         "SELECT state, lease_expires_at < now() AS expired, visible_at <= now() AS visible,"
-        " lease_owner, count(*) FROM enrichq.queue WHERE state IN ('queued', 'leased')"
-        " GROUP BY 1, 2, 3, 4 ORDER BY 5 DESC LIMIT 10",
+        " lease_owner, attempts, left(last_error, 60), count(*) FROM enrichq.queue"
+        " WHERE state IN ('queued', 'leased') GROUP BY 1, 2, 3, 4, 5, 6 ORDER BY 7 DESC LIMIT 10",
     )
     alive = "no fleet"
     if fleet is not None:
         sweeper = fleet.sweeper.poll() if fleet.sweeper is not None else "none"
         alive = f"workers exit codes {[w.poll() for w in fleet.workers]}, sweeper {sweeper}"
-    return f"open rows (state, expired, visible, owner, n): {open_rows}; {alive}"
+        for log in sorted(fleet.logs.glob("*.log")):
+            logged = [line for line in log.read_text().splitlines() if line[:2] == "20"]
+            alive += f"; {log.name}: {logged[-1][:300] if logged else 'nothing logged'}"
+    return (
+        f"open rows (state, expired, visible, owner, attempts, last error, n): {open_rows}; {alive}"
+    )
 
 
 def check(engine: sa.Engine, outcome: Outcome, *, poison: tuple[str, ...] = ()) -> Outcome:
@@ -348,14 +375,7 @@ def freeze(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outcome
         ) as f:
             f.start_sweeper()
             victim = f.workers[0]
-            wait_for(
-                lambda: (
-                    q(engine, "SELECT count(*) FROM enrichq.queue WHERE state = 'done'")[0][0]
-                    > tickets // 10
-                ),
-                timeout=120,
-                what="a tenth done",
-            )
+            reached(engine, f, tickets // 10 + 1, what="a tenth done")
             os.kill(victim.pid, signal.SIGSTOP)
             out.faults += 1
             frozen_at = time.monotonic()
@@ -481,14 +501,8 @@ def db_restart(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Out
             start = time.monotonic()
             with fleet(url, logs) as f:
                 f.start_sweeper()
-                done = "SELECT count(*) FROM enrichq.queue WHERE state = 'done'"
                 for fraction, crash in ((0.2, False), (0.6, True)):
-                    target = tickets * fraction
-                    wait_for(
-                        lambda t=target: q(engine, done)[0][0] >= t,  # type: ignore[misc]  # default-bound loop variable
-                        timeout=240,
-                        what=f"{fraction:.0%} done",
-                    )
+                    reached(engine, f, tickets * fraction, what=f"{fraction:.0%} done")
                     server.stop(crash=crash)
                     time.sleep(rng.uniform(0.5, 2.0))
                     server.start()
@@ -752,7 +766,6 @@ def failover(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outco
         c.wait_caught_up("enrichq")
         start = time.monotonic()
         multi = c.multi_host_url("enrichq")
-        done = "SELECT count(*) FROM enrichq.queue WHERE state = 'done'"
         # lookups of half a second (24 at once): the crash finds work left to do on the new
         # primary, however fast the worker gets at the rest (a batch of 50 no-op lookups
         # finishes the bounded run's 300 tickets before replication can be cut)
@@ -762,11 +775,11 @@ def failover(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outco
         }
         with fleet(multi, logs, network_timeout_seconds=2, **slow) as f:
             f.start_sweeper()
-            wait_for(lambda: q(primary, done)[0][0] >= tickets * 0.4, timeout=240, what="40% done")
+            reached(primary, f, tickets * 0.4, what="40% done")
             assert c.replication is not None
             c.replication.blackhole()  # the standby stops receiving WAL
             time.sleep(1.0)
-            done_on_primary = q(primary, done)[0][0]
+            done_on_primary = q(primary, DONE)[0][0]
             c.primary.stop("immediate")
             crashed = time.monotonic()
             out.faults += 1
@@ -775,9 +788,9 @@ def failover(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outco
             c.standby.promote()
             promoted = time.monotonic()
             standby = c.engine(c.standby.url("enrichq"))
-            done_on_standby = q(standby, done)[0][0]
+            done_on_standby = q(standby, DONE)[0][0]
             wait_for(
-                lambda: q(standby, done)[0][0] > done_on_standby,
+                lambda: q(standby, DONE)[0][0] > done_on_standby,
                 timeout=120,
                 interval=0.05,
                 what="work on the new primary",
