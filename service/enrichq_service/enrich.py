@@ -144,6 +144,37 @@ def choose(settings: Settings) -> EnricherChoice:
     return EnricherChoice(None, load_batch_enricher(path), settings.lookup_batch_size)
 
 
+class Missing(TransientError):
+    """The batch enricher returned nothing for this ticket."""
+
+
+def enrich_all(
+    choice: EnricherChoice, tickets: Sequence[Ticket], context: EnrichContext
+) -> dict[str, object]:
+    """Each ticket's outcome, by ticket id, from the plug-in as it came (a result, not yet
+    validated, or an exception): a batch enricher is called once for them all, and a call
+    that raises is every ticket's outcome; a per-ticket enricher once per ticket. Used
+    alike in the worker and in an isolated child."""
+    if choice.per_ticket is not None:
+        outcomes: dict[str, object] = {}
+        for ticket in tickets:
+            try:
+                outcomes[ticket.id] = choice.per_ticket(ticket, context)
+            except Exception as exc:
+                outcomes[ticket.id] = exc
+        return outcomes
+    assert choice.batch is not None
+    try:
+        results = choice.batch(tickets, context)
+    except Exception as exc:
+        return {t.id: exc for t in tickets}
+    if not isinstance(results, Mapping):
+        bad = PermanentError(f"the batch enricher returned {type(results).__name__}, not a mapping")
+        return {t.id: bad for t in tickets}
+    missing = Missing("the batch enricher returned nothing for it")
+    return {t.id: results.get(t.id, missing) for t in tickets}
+
+
 def _load(path: str, setting: str) -> Any:
     try:
         return load_callable(path)

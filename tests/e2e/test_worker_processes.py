@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import signal
@@ -17,6 +18,7 @@ from tests.support.procs import enrichq_env, spawn, stop, wait_for
 from tests.support.settings import make_settings
 
 from enrichq_schema.db import create_engine, ensure_database, migrate
+from enrichq_schema.states import LEASE_EXPIRED_ERROR
 from enrichq_service import queue, seed
 from enrichq_service.queue import EnqueueRequest
 from enrichq_sweeper import recovery
@@ -262,3 +264,94 @@ def test_a_suspect_that_crashes_its_process_costs_only_its_own_attempt(
         "SELECT count(*) FROM enrichq.queue WHERE state = 'done' AND attempts = 1 AND key = ANY(:k)",
         k=keys,
     ) == [(5,)]
+
+
+def make_suspects(engine: sa.Engine, keys: list[str], *, poison: bool) -> None:
+    """Turn the queued rows of `keys` into suspects (their first attempt's lease expired, as
+    after a database outage or a crash), and add ticket POISON as one, if asked."""
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "UPDATE enrichq.queue SET attempts = 1, max_attempts = 3, last_error = :e"
+                " WHERE key = ANY(:k)"
+            ),
+            {"e": LEASE_EXPIRED_ERROR, "k": keys},
+        )
+        if poison:
+            conn.execute(
+                sa.text(
+                    "INSERT INTO helpdesk.tickets (id, requester_email) VALUES ('POISON', 'x@y.z')"
+                )
+            )
+            conn.execute(
+                sa.text(
+                    "INSERT INTO enrichq.queue (kind, key, reason, attempts, max_attempts,"
+                    " last_error) VALUES ('enrich', 'POISON', 'manual', 1, 3, :e)"
+                ),
+                {"e": LEASE_EXPIRED_ERROR},
+            )
+
+
+def drain_suspects(db_url: str, markers: Path, tmp_path: Path) -> None:
+    """One worker drains the queue with a batch enricher that records its process per
+    ticket; every row is visible at start, so one claim takes them all, in one unit."""
+    worker = spawn(
+        ["worker", "--drain"],
+        enrichq_env(
+            db_url,
+            batch_enricher="tests.support.enrichers:marks_its_process",
+            ENRICHQ_TEST_STARTED_DIR=markers,
+            backoff_base_seconds=0,
+            backoff_cap_seconds=0,
+        ),
+        log=tmp_path / "w.log",
+    )
+    assert worker.wait(120) == 0
+
+
+def processes(markers: Path, keys: list[str]) -> set[str]:
+    """The processes that enriched any of `keys`."""
+    return {pid for k in keys for pid in (markers / k).read_text().split()}
+
+
+def test_a_unit_of_suspects_is_enriched_in_one_child_process(
+    db_url: str, db_engine: sa.Engine, markers: Path, tmp_path: Path
+) -> None:
+    # after a database outage longer than a lease, every job that was in flight comes back
+    # a suspect: enriching each in a process of its own stalled the queue
+    keys = seed_and_enqueue(db_engine, 30)
+    make_suspects(db_engine, keys, poison=False)
+
+    drain_suspects(db_url, markers, tmp_path)
+
+    assert q(db_engine, "SELECT state, attempts, count(*) FROM enrichq.queue GROUP BY 1, 2") == [
+        ("done", 2, 30)
+    ]
+    [child] = processes(markers, keys)
+    assert child != str(os.getpid())
+
+
+def test_a_poison_among_suspects_is_found_by_halving_and_fails_alone(
+    db_url: str, db_engine: sa.Engine, markers: Path, tmp_path: Path
+) -> None:
+    keys = seed_and_enqueue(db_engine, 24)
+    make_suspects(db_engine, keys, poison=True)
+
+    drain_suspects(db_url, markers, tmp_path)
+
+    assert q(
+        db_engine,
+        "SELECT count(*) FROM enrichq.queue WHERE state = 'done' AND attempts = 2"
+        " AND key = ANY(:k)",
+        k=keys,
+    ) == [(24,)]
+    [(state, reason, attempts, error)] = q(
+        db_engine,
+        "SELECT state, dead_reason, attempts, last_error FROM enrichq.queue WHERE key = 'POISON'",
+    )
+    assert (state, reason, attempts) == ("dead_letter", "attempts_exhausted", 3)
+    assert "isolated enrichment process died" in error
+    # a child that dies has its tickets split in two halves, each in a child of its own:
+    # the 25 suspects take 1 + 2 * ceil(log2(25)) = 11 children, not one each; all but the
+    # last (POISON alone) enriched some of the 24 others
+    assert len(processes(markers, keys)) <= 2 * math.ceil(math.log2(25))

@@ -273,3 +273,18 @@ def warehouse_session(ticket: Ticket, context: EnrichContext) -> Enrichment:
         timeout = driver.info.get_parameters().get("tcp_user_timeout", "unset")
         threshold = driver.prepare_threshold
     return Enrichment((Order(f"tcp_user_timeout={timeout}"), Order(f"prepare={threshold}")))
+
+
+def marks_its_process(
+    tickets: Sequence[Ticket], context: EnrichContext
+) -> Mapping[str, Enrichment]:
+    """One order named after each ticket; each call appends its process id to a file per
+    ticket in ENRICHQ_TEST_STARTED_DIR, then the process dies (exit 13) if the batch holds
+    ticket POISON."""
+    folder = os.environ["ENRICHQ_TEST_STARTED_DIR"]
+    for t in tickets:
+        with open(os.path.join(folder, t.id), "a") as f:
+            f.write(f"{os.getpid()}\n")
+    if any(t.id == "POISON" for t in tickets):
+        os._exit(13)
+    return {t.id: Enrichment((Order(f"O-{t.id}"),)) for t in tickets}

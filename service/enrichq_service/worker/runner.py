@@ -11,9 +11,9 @@ has a spare thread per slot, and once those are taken the worker claims less.
 
 For each unit the runner starts the jobs that may still start (one lost or abandoned
 meanwhile never does), checks each (known kind, payload, mirrored ticket), admits the
-lookup fleet-wide (budget, warehouse cap), runs the enricher (a suspect, whose previous
-attempt lost its process, alone in a child process), validates each result where it
-enters, and hands the settler one settlement per job.
+lookup fleet-wide (budget, warehouse cap), runs the enricher (the unit's suspects, whose
+previous attempt lost its process, in a child process: `enrichq_service.isolate`),
+validates each result where it enters, and hands the settler one settlement per job.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from enrichq_service.enrich import (
     Lookup,
     Result,
     charge_of,
+    enrich_all,
     error_text,
     validate,
 )
@@ -57,10 +58,6 @@ SPARE_THREADS_PER_SLOT = 1
 
 class NotMirrored(TransientError):
     """The ticket is not in the help-desk mirror yet: transient, retried with backoff."""
-
-
-class Missing(TransientError):
-    """The batch enricher returned nothing for this ticket."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,11 +184,11 @@ class Runner:
         try:
             suspects = [h for h in ready if is_suspect(h.job.attempts, h.job.last_error)]
             rest = [h for h in ready if h not in suspects]
-            for held in suspects:
-                # its last worker vanished mid-attempt: it may be what killed it
-                outcomes.append(_checked(held, self._isolated(held)))
+            if suspects:
+                # their last worker vanished mid-attempt: one of them may be what killed it
+                outcomes.extend(self._outcomes(suspects, deadline, cancelled, isolated=True))
             if rest:
-                outcomes.extend(self._in_process(rest, deadline, cancelled))
+                outcomes.extend(self._outcomes(rest, deadline, cancelled, isolated=False))
             billed = sum(o.billed for o in outcomes)
         finally:
             self._admission.learned(admitted, billed)
@@ -199,10 +196,10 @@ class Runner:
         lookups = {o.held.id: _lookup(o, duration_ms, began, admitted) for o in outcomes}
         return outcomes, lookups
 
-    def _in_process(
-        self, held: list[Held], deadline: float, cancelled: threading.Event
+    def _outcomes(
+        self, held: list[Held], deadline: float, cancelled: threading.Event, *, isolated: bool
     ) -> list[Outcome]:
-        tickets = [h.ticket for h in held]
+        """Enrich `held` in this process, or `isolated` in child processes (`isolate`)."""
         context = EnrichContext(
             self._settings,
             self._warehouse,
@@ -210,39 +207,16 @@ class Runner:
             deadline,
             lambda fn: self._jobs.interruptible(held, fn),
         )
-        per_ticket, batch = self._enricher.per_ticket, self._enricher.batch
-        try:
-            if per_ticket is not None:
-                [one] = held
-                assert one.ticket is not None
-                results: Mapping[str, object] = {one.job.key: per_ticket(one.ticket, context)}
-            else:
-                assert batch is not None
-                results = batch([t for t in tickets if t is not None], context)
-        except BaseException as exc:
-            if not isinstance(exc, Exception):
-                raise
-            # the whole call failed (the batch's query, say): every job's outcome
-            return [Outcome(h, exc) for h in held]
-        if not isinstance(results, Mapping):
-            bad = PermanentError(
-                f"the batch enricher returned {type(results).__name__}, not a mapping"
-            )
-            return [Outcome(h, bad) for h in held]
-        missing = Missing("the batch enricher returned nothing for it")
-        return [_checked(h, results.get(h.job.key, missing)) for h in held]
-
-    def _isolated(self, held: Held) -> object:
-        assert held.ticket is not None
-        try:
-            return enrich_in_child(
-                self._settings,
-                self._warehouse.url.render_as_string(hide_password=False),
-                held.ticket,
-                timeout=max(1.0, held.deadline - time.monotonic()),
-            )
-        except Exception as exc:
-            return exc
+        tickets = [h.ticket for h in held if h.ticket is not None]  # all are: _precheck
+        values: Mapping[str, object]
+        if isolated:
+            try:
+                values = enrich_in_child(context, tickets)
+            except Exception as exc:  # no child could be started (out of processes, say)
+                return [Outcome(h, exc) for h in held]
+        else:
+            values = enrich_all(self._enricher, tickets, context)
+        return [_checked(h, values[h.job.key]) for h in held]
 
     def _hand_off(self, held: Held, settlement: Settlement, *, finished: bool) -> None:
         if self._jobs.hand_off(held, finished=finished):
