@@ -13,6 +13,12 @@ def q(engine: sa.Engine, sql: str, **params: Any) -> list[tuple[Any, ...]]:
         return [tuple(r) for r in conn.execute(sa.text(sql), params)]
 
 
+def execute(engine: sa.Engine, sql: str, **params: Any) -> None:
+    """Run `sql` (bound `params`) in a transaction of its own."""
+    with engine.begin() as conn:
+        conn.execute(sa.text(sql), params)
+
+
 def insert_expired_leases(engine: sa.Engine, keys: list[str]) -> None:
     """Leased enrich rows whose leases ran out a minute ago, as if their worker had died."""
     with engine.begin() as conn:
