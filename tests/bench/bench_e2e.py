@@ -36,6 +36,7 @@ import httpx
 import sqlalchemy as sa
 
 from enrichq_schema.db import create_engine
+from enrichq_schema.states import LEASE_EXPIRED_ERROR
 from enrichq_service import queue, seed
 from enrichq_service.queue import EnqueueRequest
 from tests.bench.bench_http import SECRET, run_mode
@@ -63,8 +64,11 @@ def drain(
     logs: Path,
     *,
     profile: Path | None = None,
+    suspects: bool = False,
 ) -> float:
-    """Tickets/s of `workers` draining processes over a freshly seeded, enqueued world."""
+    """Tickets/s of `workers` draining processes over a freshly seeded, enqueued world;
+    with `suspects`, every job is one (its first attempt's lease expired, as after a
+    database outage), so the worker enriches it in a child process (`isolate`)."""
     engine = create_engine(url)
     try:
         with engine.begin() as conn:
@@ -80,6 +84,11 @@ def drain(
                 [EnqueueRequest.build(key=k) for k in keys[:tickets]],
                 settings=make_settings(url),
             )
+            if suspects:
+                conn.execute(
+                    sa.text("UPDATE enrichq.queue SET attempts = 1, last_error = :e"),
+                    {"e": LEASE_EXPIRED_ERROR},
+                )
             conn.execute(sa.text("ANALYZE enrichq.queue"))
         env = enrichq_env(url, **settings)
         procs = [spawn(["worker", "--drain"], env, log=logs / f"w{i}.log") for i in range(workers)]
