@@ -27,16 +27,15 @@ from typing import Any
 import sqlalchemy as sa
 
 from enrichq_schema.db import create_engine
-from enrichq_service import queue, seed
-from enrichq_service.queue import EnqueueRequest
+from enrichq_service import seed
 from tests.support import cluster, pgbouncer
 from tests.support.db import q
 from tests.support.enrichers import BAD_FIELDS, bad_data_fate
 from tests.support.pgbouncer import PgBouncer
 from tests.support.procs import enrichq_env, spawn, stop, wait_for
-from tests.support.settings import make_settings
 from tests.support.tcpproxy import TcpProxy, target_of, via
 from tests.support.web import free_port
+from tests.support.world import seeded
 
 AUDIT = """
 CREATE TABLE IF NOT EXISTS public.result_writes (
@@ -93,21 +92,10 @@ def prepare(
     extra_keys: tuple[str, ...] = (),
     max_attempts: int = int(FAST["max_attempts"]),
 ) -> list[str]:
-    """Seed the world, install the audit trigger and enqueue every ticket; the keys."""
-    cfg = make_settings(str(engine.url), max_attempts=max_attempts)
+    """Seed the world, enqueue every ticket and install the audit trigger; the keys."""
+    keys = seeded(engine, tickets, extra=extra_keys, max_attempts=max_attempts)
     with engine.begin() as conn:
-        seed.seed_world(conn, tickets=tickets)
-        for key in extra_keys:
-            conn.execute(
-                sa.text(
-                    "INSERT INTO helpdesk.tickets (id, requester_email, tenant) "
-                    "VALUES (:k, 'nobody@example.org', 'acme')"
-                ),
-                {"k": key},
-            )
         conn.execute(sa.text(AUDIT))
-        keys = [r[0] for r in conn.execute(sa.text("SELECT id FROM helpdesk.tickets ORDER BY id"))]
-        queue.enqueue(conn, [EnqueueRequest.build(key=k) for k in keys], settings=cfg)
     return keys
 
 

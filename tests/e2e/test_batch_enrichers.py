@@ -5,41 +5,16 @@ tickets; one invalid result fails its ticket alone."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
+from tests.support.db import q
 from tests.support.settings import make_settings
+from tests.support.world import seeded
 
-from enrichq_service import queue, seed
-from enrichq_service.queue import EnqueueRequest
 from enrichq_service.worker import Worker
 
 OUTCOMES = "tests.support.enrichers:batch_outcomes"
-
-
-def rows(engine: sa.Engine, sql: str, **params: Any) -> list[tuple[Any, ...]]:
-    with engine.connect() as conn:
-        return [tuple(r) for r in conn.execute(sa.text(sql), params)]
-
-
-def world(engine: sa.Engine, seeded: int, extra: Sequence[str]) -> list[str]:
-    """`seeded` tickets of the seeded world and the `extra` ones, all enqueued; the ids."""
-    with engine.begin() as conn:
-        seed.seed_world(conn, tickets=seeded)
-        for key in extra:
-            conn.execute(
-                sa.text(
-                    "INSERT INTO helpdesk.tickets (id, requester_email, tenant)"
-                    " VALUES (:k, 'someone@example.com', 'acme')"
-                ),
-                {"k": key},
-            )
-        keys = [r[0] for r in conn.execute(sa.text("SELECT id FROM helpdesk.tickets ORDER BY id"))]
-        queue.enqueue(
-            conn, [EnqueueRequest.build(key=k) for k in keys], settings=make_settings(None)
-        )
-    return keys
 
 
 def drain(db_url: str, engine: sa.Engine, **settings: Any) -> None:
@@ -52,11 +27,11 @@ def drain(db_url: str, engine: sa.Engine, **settings: Any) -> None:
 
 def test_each_ticket_of_a_batch_gets_its_own_outcome(db_url: str, db_engine: sa.Engine) -> None:
     extra = ("bad-1", "defer-1", "gone-1", "odd-1", "perm-1", "trans-1")
-    keys = world(db_engine, 12, extra)
+    keys = seeded(db_engine, 12, extra=extra)
     drain(db_url, db_engine, batch_enricher=OUTCOMES)
     got = {
         k: (state, attempts, error or "")
-        for k, state, attempts, error in rows(
+        for k, state, attempts, error in q(
             db_engine, "SELECT key, state, attempts, last_error FROM enrichq.queue"
         )
     }
@@ -71,38 +46,38 @@ def test_each_ticket_of_a_batch_gets_its_own_outcome(db_url: str, db_engine: sa.
     for key, (state, attempts, error) in want.items():
         assert got[key][:2] == (state, attempts), (key, got[key])
         assert error in got[key][2], (key, got[key])
-    [(until,)] = rows(
+    [(until,)] = q(
         db_engine,
         "SELECT round(extract(epoch FROM visible_at - now()) / 60) FROM enrichq.queue"
         " WHERE key = 'defer-1'",
     )
     assert 55 <= until <= 60  # deferred until the enricher's time, an hour on
-    seeded = [k for k in keys if k not in extra]
-    assert {got[k][:2] for k in seeded} == {("done", 1)}
-    assert rows(db_engine, "SELECT ticket_id, order_id FROM enrichq.ticket_orders ORDER BY 1") == [
-        (k, f"O-{k}") for k in seeded
+    ordinary = [k for k in keys if k not in extra]
+    assert {got[k][:2] for k in ordinary} == {("done", 1)}
+    assert q(db_engine, "SELECT ticket_id, order_id FROM enrichq.ticket_orders ORDER BY 1") == [
+        (k, f"O-{k}") for k in ordinary
     ]
     # one call for all of them; the tickets it answered (the invalid one too) carry its
     # warehouse job and are charged their bytes
     log = {
         k: (job, billed)
-        for k, job, billed in rows(
+        for k, job, billed in q(
             db_engine, "SELECT ticket_id, job_id, bytes_billed FROM enrichq.lookup_log"
         )
     }
     assert set(log) == set(keys)  # the deferred one too, as a lookup that was deferred
-    assert {log[k] for k in [*seeded, "bad-1"]} == {("batch-job", 7)}
-    assert rows(db_engine, "SELECT bytes_billed FROM enrichq.budget_ledger") == [
-        (7 * (len(seeded) + 1),)
+    assert {log[k] for k in [*ordinary, "bad-1"]} == {("batch-job", 7)}
+    assert q(db_engine, "SELECT bytes_billed FROM enrichq.budget_ledger") == [
+        (7 * (len(ordinary) + 1),)
     ]
 
 
 def test_a_batch_call_that_fails_is_transient_for_all_its_tickets(
     db_url: str, db_engine: sa.Engine
 ) -> None:
-    keys = world(db_engine, 8, ("boom-1",))
+    keys = seeded(db_engine, 8, extra=("boom-1",))
     drain(db_url, db_engine, batch_enricher=OUTCOMES)
-    got = rows(db_engine, "SELECT state, attempts, last_error FROM enrichq.queue")
+    got = q(db_engine, "SELECT state, attempts, last_error FROM enrichq.queue")
     assert len(got) == len(keys)
     assert {(state, attempts) for state, attempts, _ in got} == {("queued", 1)}
     assert {error for _, _, error in got} == {"ConnectionError: warehouse connection reset"}
@@ -113,12 +88,12 @@ def test_a_failed_warehouse_query_is_transient_for_its_whole_batch(
 ) -> None:
     """The built-in lookup against a table that is not there: every ticket of the batch is
     retried (none failed), and each lookup is logged as an error."""
-    keys = world(db_engine, 15, ())
+    keys = seeded(db_engine, 15)
     drain(db_url, db_engine, orders_table="warehouse.no_such_orders")
-    got = rows(db_engine, "SELECT state, attempts, last_error FROM enrichq.queue")
+    got = q(db_engine, "SELECT state, attempts, last_error FROM enrichq.queue")
     assert len(got) == len(keys)
     assert {(state, attempts) for state, attempts, _ in got} == {("queued", 1)}
     assert all("no_such_orders" in error for _, _, error in got), got
-    assert rows(db_engine, "SELECT status, count(*) FROM enrichq.lookup_log GROUP BY 1") == [
+    assert q(db_engine, "SELECT status, count(*) FROM enrichq.lookup_log GROUP BY 1") == [
         ("error", len(keys))
     ]

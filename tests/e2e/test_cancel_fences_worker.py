@@ -16,11 +16,9 @@ import pytest
 import sqlalchemy as sa
 from tests.support.db import q
 from tests.support.procs import enrichq_env, spawn, stop, wait_for
-from tests.support.settings import make_settings
+from tests.support.world import seeded
 
-from enrichq_service import queue, seed
 from enrichq_service.cli import main
-from enrichq_service.queue import EnqueueRequest
 
 pytestmark = pytest.mark.slow
 
@@ -34,10 +32,7 @@ def test_a_cancelled_job_is_never_written_by_its_worker(
 ) -> None:
     markers = tmp_path / "started"
     markers.mkdir()
-    with db_engine.begin() as conn:
-        seed.seed_world(conn, tickets=1)
-        [key] = [r[0] for r in conn.execute(sa.text("SELECT id FROM helpdesk.tickets"))]
-        queue.enqueue(conn, [EnqueueRequest.build(key=key)], settings=make_settings(db_url))
+    [key] = seeded(db_engine, 1)
     env = enrichq_env(
         db_url,
         enricher="tests.support.enrichers:slow",

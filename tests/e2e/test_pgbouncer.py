@@ -14,6 +14,7 @@ from tests.support.pgbouncer import PgBouncer
 from tests.support.procs import enrichq_env, spawn, stop, wait_for
 from tests.support.settings import make_settings
 from tests.support.web import answers, event, free_port, post_event
+from tests.support.world import seeded
 
 from enrichq_service import queue, seed
 from enrichq_service.queue import EnqueueRequest
@@ -38,16 +39,6 @@ LISTENING = (
 )
 
 
-def seed_and_enqueue(engine: sa.Engine, tickets: int) -> list[str]:
-    with engine.begin() as conn:
-        seed.seed_world(conn, tickets=tickets)
-        keys = [r[0] for r in conn.execute(sa.text("SELECT id FROM helpdesk.tickets ORDER BY id"))]
-        queue.enqueue(
-            conn, [EnqueueRequest.build(key=k) for k in keys], settings=make_settings(None)
-        )
-    return keys
-
-
 def one_line_error(proc_log: Path) -> str:
     lines = [line for line in proc_log.read_text().splitlines() if line.strip()]
     assert len(lines) == 1, lines
@@ -58,7 +49,7 @@ def one_line_error(proc_log: Path) -> str:
 def test_two_workers_drain_through_pgbouncer_in_transaction_mode(
     db_url: str, db_engine: sa.Engine, pgbouncer: PgBouncer, tmp_path: Path
 ) -> None:
-    seed_and_enqueue(db_engine, 200)
+    seeded(db_engine, 200)
     env = enrichq_env(pgbouncer.url_of(db_url), **TRANSACTION, **FAST, concurrency=8)
     workers = [spawn(["worker", "--drain"], env, log=tmp_path / f"w{i}.log") for i in range(2)]
     for w in workers:
@@ -79,7 +70,7 @@ def test_transaction_mode_listens_only_on_the_listen_url(
 ) -> None:
     """Without ENRICHQ_LISTEN_DATABASE_URL nothing LISTENs (polling alone, and work is still
     found); with it, the LISTEN connection is the direct one and a NOTIFY wakes the worker."""
-    [key] = seed_and_enqueue(db_engine, 1)
+    [key] = seeded(db_engine, 1)
     bounced = pgbouncer.url_of(db_url)
     polling = spawn(
         ["worker"], enrichq_env(bounced, **TRANSACTION, **FAST), log=tmp_path / "poll.log"

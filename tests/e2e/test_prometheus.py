@@ -18,11 +18,9 @@ import pytest
 import sqlalchemy as sa
 import yaml
 from tests.support.procs import REPO, enrichq_env, spawn, stop, wait_for
-from tests.support.settings import make_settings
 from tests.support.web import answers, event, free_port, post_event
+from tests.support.world import seeded
 
-from enrichq_service import queue, seed
-from enrichq_service.queue import EnqueueRequest
 from enrichq_sweeper import pauses
 
 pytestmark = pytest.mark.slow
@@ -144,10 +142,8 @@ def prometheus_dir(tmp_path: Path) -> Path:
 def test_a_live_prometheus_scrapes_every_process_and_sees_the_worker_go_down(
     db_url: str, db_engine: sa.Engine, prometheus_dir: Path
 ) -> None:
+    keys = seeded(db_engine, 30)
     with db_engine.begin() as conn:
-        seed.seed_world(conn, tickets=30)
-        keys = [r[0] for r in conn.execute(sa.text("SELECT id FROM helpdesk.tickets"))]
-        queue.enqueue(conn, [EnqueueRequest.build(key=k) for k in keys], settings=make_settings())
         # a pause of a tenant with no work: the pause gauges exist only while one is in place
         pauses.pause(conn, pauses.Scope(None, "nobody-at-all"), actor="test")
     ports = {job: free_port() for job in JOBS}

@@ -9,10 +9,7 @@ import sqlalchemy as sa
 from tests.support.db import q
 from tests.support.procs import enrichq_env, spawn
 from tests.support.roles import service_role
-from tests.support.settings import make_settings
-
-from enrichq_service import queue, seed
-from enrichq_service.queue import EnqueueRequest
+from tests.support.world import seeded
 
 pytestmark = pytest.mark.slow
 
@@ -20,10 +17,7 @@ pytestmark = pytest.mark.slow
 def test_worker_under_the_service_role_enriches_but_cannot_write_legacy(
     db_url: str, db_engine: sa.Engine, tmp_path: Path
 ) -> None:
-    with db_engine.begin() as conn:
-        seed.seed_world(conn, tickets=10)
-        keys = [r[0] for r in conn.execute(sa.text("SELECT id FROM helpdesk.tickets"))]
-        queue.enqueue(conn, [EnqueueRequest.build(key=k) for k in keys], settings=make_settings())
+    seeded(db_engine, 10)
     legacy_before = q(db_engine, "SELECT count(*) FROM legacy.ticket_orders")
     with service_role(db_url) as (_role, login_url):
         worker = spawn(

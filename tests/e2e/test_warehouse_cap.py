@@ -17,36 +17,19 @@ import subprocess
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from prometheus_client.parser import text_string_to_metric_families
+from tests.support.db import q
 from tests.support.procs import enrichq_env, spawn, stop, wait_for
-from tests.support.settings import make_settings
 from tests.support.web import free_port
-
-from enrichq_service import queue, seed
-from enrichq_service.queue import EnqueueRequest
+from tests.support.world import seeded
 
 pytestmark = pytest.mark.slow
 
 PROBE = "tests.support.enrichers:slot_probe"
 NS = 1_000_000_000
-
-
-def rows(engine: sa.Engine, sql: str, **params: Any) -> list[tuple[Any, ...]]:
-    with engine.connect() as conn:
-        return [tuple(r) for r in conn.execute(sa.text(sql), params)]
-
-
-def seeded(engine: sa.Engine, tickets: int) -> None:
-    with engine.begin() as conn:
-        seed.seed_world(conn, tickets=tickets)
-        keys = [r[0] for r in conn.execute(sa.text("SELECT id FROM helpdesk.tickets"))]
-        queue.enqueue(
-            conn, [EnqueueRequest.build(key=k) for k in keys], settings=make_settings(None)
-        )
 
 
 def counter(port: int, name: str, **labels: str) -> float:
@@ -115,8 +98,7 @@ def test_three_workers_never_run_more_warehouse_calls_than_the_cap(
     try:
         wait_for(
             lambda: (
-                rows(db_engine, "SELECT count(*) FROM enrichq.queue WHERE state = 'done'")
-                == [(18,)]
+                q(db_engine, "SELECT count(*) FROM enrichq.queue WHERE state = 'done'") == [(18,)]
             ),
             timeout=120,
             what="every ticket to be done",
@@ -132,10 +114,10 @@ def test_three_workers_never_run_more_warehouse_calls_than_the_cap(
     assert waits > 0
     assert deferred > 0
     # deferred, never failed, and every deferral gave its attempt back
-    assert rows(db_engine, "SELECT state, attempts, count(*) FROM enrichq.queue GROUP BY 1, 2") == [
+    assert q(db_engine, "SELECT state, attempts, count(*) FROM enrichq.queue GROUP BY 1, 2") == [
         ("done", 1, 18)
     ]
-    assert rows(db_engine, "SELECT count(*) FROM enrichq.lookups_in_flight") == [(0,)]
+    assert q(db_engine, "SELECT count(*) FROM enrichq.lookups_in_flight") == [(0,)]
 
 
 def test_the_slot_of_a_holder_killed_with_sigkill_is_free_within_one_lease(
@@ -175,7 +157,7 @@ def test_the_slot_of_a_holder_killed_with_sigkill_is_free_within_one_lease(
         while time.monotonic_ns() < a_started + int((lease + 2) * NS):
             assert [pid for pid, _, _ in calls(started)] == [a.pid]
             time.sleep(0.1)
-        [(owner, left)] = rows(
+        [(owner, left)] = q(
             db_engine,
             "SELECT owner, extract(epoch FROM expires_at - now())"
             " FROM enrichq.lookups_in_flight WHERE expires_at > now()",
@@ -196,7 +178,7 @@ def test_the_slot_of_a_holder_killed_with_sigkill_is_free_within_one_lease(
         # and B goes on under the cap: one call at a time, A's dead call included
         wait_for(
             lambda: (
-                rows(db_engine, "SELECT count(*) FROM enrichq.queue WHERE state = 'done'") == [(7,)]
+                q(db_engine, "SELECT count(*) FROM enrichq.queue WHERE state = 'done'") == [(7,)]
             ),
             timeout=60,
             what="B to do every ticket but A's",
@@ -209,4 +191,4 @@ def test_the_slot_of_a_holder_killed_with_sigkill_is_free_within_one_lease(
             assert stop(b) == 0
     assert most_at_once(calls(started, killed_at=killed_at)) == 1
     # the dead holder's row went when B was admitted; B's were released by its settles
-    assert rows(db_engine, "SELECT count(*) FROM enrichq.lookups_in_flight") == [(0,)]
+    assert q(db_engine, "SELECT count(*) FROM enrichq.lookups_in_flight") == [(0,)]

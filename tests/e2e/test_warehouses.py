@@ -13,12 +13,14 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from tests.support.db import q
 from tests.support.settings import make_settings
 from tests.support.warehouse_model import attach
+from tests.support.world import add_tickets, enqueue, ticket_ids
 
 from enrichq_schema.db import create_warehouse_engine
 from enrichq_schema.settings import Settings
-from enrichq_service import queue, seed
+from enrichq_service import seed
 from enrichq_service.enrich import (
     EnrichContext,
     Enrichment,
@@ -28,7 +30,6 @@ from enrichq_service.enrich import (
     warehouse_lookup,
     warehouse_lookup_batch,
 )
-from enrichq_service.queue import EnqueueRequest
 from enrichq_service.worker import Worker
 
 ENGINES = ("postgresql", "duckdb")
@@ -52,28 +53,15 @@ JOIN {orders} AS o ON o.customer_id = c.customer_id
 OrderRow = tuple[str, str | None, Any, Decimal | None]
 
 
-def rows(engine: sa.Engine, sql: str, **params: Any) -> list[tuple[Any, ...]]:
-    with engine.connect() as conn:
-        return [tuple(r) for r in conn.execute(sa.text(sql), params)]
-
-
-def seeded(engine: sa.Engine, tickets: int = 80) -> list[str]:
-    """A seeded world (help desk, warehouse, legacy) with every ticket enqueued; the ids."""
+def odd_world(engine: sa.Engine, tickets: int = 80) -> list[str]:
+    """The seeded world and two odd tickets, one with no requester email and one whose
+    email is a customer's in capitals, every ticket enqueued; the ids."""
     with engine.begin() as conn:
         seed.seed_world(conn, tickets=tickets)
-        shouting = conn.execute(sa.text(SHOUTING)).scalar_one()
-        for key, email in (("T-no-email", None), ("T-shouting", shouting)):
-            conn.execute(
-                sa.text(
-                    "INSERT INTO helpdesk.tickets (id, requester_email, tenant)"
-                    " VALUES (:k, :e, 'acme')"
-                ),
-                {"k": key, "e": email},
-            )
-        keys = [r[0] for r in conn.execute(sa.text("SELECT id FROM helpdesk.tickets ORDER BY id"))]
-        queue.enqueue(
-            conn, [EnqueueRequest.build(key=k) for k in keys], settings=make_settings(None)
-        )
+        add_tickets(conn, ["T-no-email"], email=None)
+        add_tickets(conn, ["T-shouting"], email=conn.execute(sa.text(SHOUTING)).scalar_one())
+        keys = ticket_ids(conn)
+        enqueue(conn, keys)
     return keys
 
 
@@ -95,7 +83,7 @@ def copy_to_duckdb(source: sa.Engine, url: str) -> None:
 @pytest.fixture
 def warehouses(db_url: str, db_engine: sa.Engine, duckdb_url: str) -> dict[str, str]:
     """The seeded world; its warehouse in PostgreSQL (the queue's database) and in DuckDB."""
-    seeded(db_engine)
+    odd_world(db_engine)
     copy_to_duckdb(db_engine, duckdb_url)
     return {"postgresql": db_url, "duckdb": duckdb_url}
 
@@ -126,14 +114,14 @@ def by_ticket(found: Mapping[str, Enrichment | BaseException]) -> dict[str, list
 def expected(engine: sa.Engine, keys: Sequence[str], orders: str = "warehouse.orders") -> Any:
     want: dict[str, list[tuple[Any, ...]]] = {k: [] for k in keys}
     sql = EXPECTED_ORDERS.format(customers="warehouse.customers", orders=orders)
-    for r in rows(engine, sql):
+    for r in q(engine, sql):
         if r[0] in want:
             want[r[0]].append(r[1:])
     return {k: normalized(v) for k, v in want.items()}
 
 
 def all_tickets(engine: sa.Engine, settings: Settings) -> list[Ticket]:
-    keys = [r[0] for r in rows(engine, "SELECT id FROM helpdesk.tickets ORDER BY id")]
+    keys = [r[0] for r in q(engine, "SELECT id FROM helpdesk.tickets ORDER BY id")]
     with engine.connect() as conn:
         found = read_tickets(conn, settings, keys)
     return [found[k] for k in keys]
@@ -189,20 +177,20 @@ def test_a_worker_enriches_identically_on_both_engines(
         result = Worker(settings, db_engine, warehouse=warehouse).run(drain=True)
     finally:
         warehouse.dispose()
-    keys = [r[0] for r in rows(db_engine, "SELECT id FROM helpdesk.tickets")]
+    keys = [r[0] for r in q(db_engine, "SELECT id FROM helpdesk.tickets")]
     assert result.counts["done"] == len(keys)
-    assert rows(db_engine, "SELECT state, count(*) FROM enrichq.queue GROUP BY 1") == [
+    assert q(db_engine, "SELECT state, count(*) FROM enrichq.queue GROUP BY 1") == [
         ("done", len(keys))
     ]
     written: dict[str, list[tuple[Any, ...]]] = {k: [] for k in keys}
-    for r in rows(
+    for r in q(
         db_engine,
         "SELECT ticket_id, order_id, customer_id, placed_at, total FROM enrichq.ticket_orders",
     ):
         written[r[0]].append(r[1:])
     assert {k: normalized(v) for k, v in written.items()} == expected(db_engine, keys)
     # one lookup-log row per ticket, whichever form ran it
-    assert rows(db_engine, "SELECT count(*), count(DISTINCT queue_id) FROM enrichq.lookup_log") == [
+    assert q(db_engine, "SELECT count(*), count(DISTINCT queue_id) FROM enrichq.lookup_log") == [
         (len(keys), len(keys))
     ]
 
@@ -225,8 +213,8 @@ def test_each_lookup_log_row_carries_its_batch_job_and_share(
         Worker(settings, db_engine, warehouse=warehouse).run(drain=True)
     finally:
         warehouse.dispose()
-    tickets = rows(db_engine, "SELECT count(*) FROM helpdesk.tickets")[0][0]
-    log = rows(db_engine, "SELECT job_id, bytes_billed FROM enrichq.lookup_log ORDER BY id")
+    tickets = q(db_engine, "SELECT count(*) FROM helpdesk.tickets")[0][0]
+    log = q(db_engine, "SELECT job_id, bytes_billed FROM enrichq.lookup_log ORDER BY id")
     assert len(log) == tickets
     assert all(job_id is not None for job_id, _ in log)
     jobs = {j.job_id: j.total_bytes_billed for j in model.jobs}
@@ -236,9 +224,7 @@ def test_each_lookup_log_row_carries_its_batch_job_and_share(
         assert 1 <= len(shares) <= 15
         assert shares == split_bytes(billed, len(shares))  # equal shares, summing exactly
     assert len(jobs) < tickets / 5  # batches, not one query per ticket
-    assert rows(db_engine, "SELECT bytes_billed FROM enrichq.budget_ledger") == [
-        (model.bytes_billed,)
-    ]
+    assert q(db_engine, "SELECT bytes_billed FROM enrichq.budget_ledger") == [(model.bytes_billed,)]
 
 
 # -- bad rows from the warehouse fail their ticket alone; the rest of the batch completes
@@ -261,7 +247,7 @@ def _bad_warehouse(
 ) -> dict[str, list[str]]:
     """warehouse.orders_raw in `warehouse`: every order, and one bad row per kind for a
     customer some tickets ask about; the tickets each kind must fail."""
-    customers = rows(
+    customers = q(
         db_engine,
         "SELECT c.customer_id, array_agg(t.id ORDER BY t.id) FROM helpdesk.tickets AS t"
         " JOIN warehouse.customers AS c ON lower(c.email) = lower(t.requester_email)"
@@ -313,7 +299,7 @@ def test_bad_warehouse_rows_fail_their_tickets_and_the_batch_completes(
     assert result.stop_reason == "no_work"
     bad_tickets = {t: kind for kind, tickets in failing.items() for t in tickets}
     states = {
-        k: (s, e) for k, s, e in rows(db_engine, "SELECT key, state, last_error FROM enrichq.queue")
+        k: (s, e) for k, s, e in q(db_engine, "SELECT key, state, last_error FROM enrichq.queue")
     }
     for ticket, kind in bad_tickets.items():
         state, error = states[ticket]
@@ -324,7 +310,7 @@ def test_bad_warehouse_rows_fail_their_tickets_and_the_batch_completes(
     assert {states[k][0] for k in good} == {"done"}
     # their orders, exactly; nothing of a failed ticket
     written: dict[str, list[tuple[Any, ...]]] = {k: [] for k in good}
-    for r in rows(
+    for r in q(
         db_engine,
         "SELECT ticket_id, order_id, customer_id, placed_at, total FROM enrichq.ticket_orders",
     ):
@@ -333,7 +319,7 @@ def test_bad_warehouse_rows_fail_their_tickets_and_the_batch_completes(
     # the failed tickets were in batches with good ones, and their shares were charged
     log = {
         k: (j, b)
-        for k, j, b in rows(
+        for k, j, b in q(
             db_engine, "SELECT ticket_id, job_id, bytes_billed FROM enrichq.lookup_log"
         )
     }
@@ -347,7 +333,7 @@ def test_a_duckdb_file_named_like_its_schema_is_read_by_catalog_qualified_names(
 ) -> None:
     """A file warehouse.duckdb is catalog "warehouse", so "warehouse.orders" is ambiguous
     to DuckDB (catalog or schema?): the tables are named with their catalog instead."""
-    seeded(db_engine, 20)
+    odd_world(db_engine, 20)
     copy_to_duckdb(db_engine, f"duckdb:///{tmp_path / 'dw.duckdb'}")
     (tmp_path / "dw.duckdb").rename(tmp_path / "warehouse.duckdb")
     engine = create_warehouse_engine(f"duckdb:///{tmp_path / 'warehouse.duckdb'}", pool_size=1)

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import sqlalchemy as sa
+from tests.support.db import q
 from tests.support.settings import make_settings
+from tests.support.world import enqueue, seeded
 
-from enrichq_service import queue, seed
 from enrichq_service.enrich import load_enricher
-from enrichq_service.queue import EnqueueRequest
 from enrichq_service.worker import Worker
 
 EXPECTED_ORDERS = """
@@ -25,36 +25,15 @@ def scalar(engine: sa.Engine, sql: str, **params: Any) -> Any:
         return conn.execute(sa.text(sql), params).scalar()
 
 
-def rows(engine: sa.Engine, sql: str, **params: Any) -> list[tuple[Any, ...]]:
-    with engine.connect() as conn:
-        return [tuple(r) for r in conn.execute(sa.text(sql), params)]
-
-
-def enqueue_all(engine: sa.Engine, keys: list[str], **settings: Any) -> None:
-    cfg = make_settings(str(engine.url), **settings)
-    with engine.begin() as conn:
-        queue.enqueue(
-            conn, [EnqueueRequest.build(key=k, tenant="acme") for k in keys], settings=cfg
-        )
-
-
-def seeded(engine: sa.Engine, tickets: int) -> list[str]:
-    with engine.begin() as conn:
-        seed.seed_world(conn, tickets=tickets)
-    return [r[0] for r in rows(engine, "SELECT id FROM helpdesk.tickets ORDER BY id")]
-
-
 def test_drain_enriches_every_ticket_with_its_orders(db_url: str, db_engine: sa.Engine) -> None:
-    keys = seeded(db_engine, 120)
-    enqueue_all(db_engine, keys)
+    keys = seeded(db_engine, 120, enqueued=False)
+    enqueue(db_engine, keys, tenant="acme")
     result = Worker(make_settings(db_url, concurrency=4), db_engine).run(drain=True)
     assert result.stop_reason == "no_work"
     assert result.counts["done"] == 120
-    assert rows(db_engine, "SELECT state, count(*) FROM enrichq.queue GROUP BY 1") == [
-        ("done", 120)
-    ]
-    got = set(rows(db_engine, "SELECT ticket_id, order_id FROM enrichq.ticket_orders"))
-    assert got == set(rows(db_engine, EXPECTED_ORDERS))
+    assert q(db_engine, "SELECT state, count(*) FROM enrichq.queue GROUP BY 1") == [("done", 120)]
+    got = set(q(db_engine, "SELECT ticket_id, order_id FROM enrichq.ticket_orders"))
+    assert got == set(q(db_engine, EXPECTED_ORDERS))
     # every ticket has an enrichment row, also those whose customer has no orders
     assert scalar(db_engine, "SELECT count(*) FROM enrichq.ticket_enrichments") == 120
     assert (
@@ -62,9 +41,9 @@ def test_drain_enriches_every_ticket_with_its_orders(db_url: str, db_engine: sa.
         > 0
     )
     # one lookup log row per lookup; empty results say so
-    log = dict(rows(db_engine, "SELECT status, count(*) FROM enrichq.lookup_log GROUP BY 1"))
+    log = dict(q(db_engine, "SELECT status, count(*) FROM enrichq.lookup_log GROUP BY 1"))
     assert log["ok"] + log["empty"] == 120
-    run = rows(
+    run = q(
         db_engine,
         "SELECT component, stop_reason, counts->>'done', finished_at IS NOT NULL FROM enrichq.runs",
     )
@@ -72,13 +51,13 @@ def test_drain_enriches_every_ticket_with_its_orders(db_url: str, db_engine: sa.
 
 
 def test_a_new_lookup_replaces_the_previous_result(db_url: str, db_engine: sa.Engine) -> None:
-    [key] = seeded(db_engine, 1)
+    [key] = seeded(db_engine, 1, enqueued=False)
     settings = make_settings(db_url)
-    enqueue_all(db_engine, [key])
+    enqueue(db_engine, [key], tenant="acme")
     Worker(settings, db_engine).run(drain=True)
     with db_engine.begin() as conn:
         conn.execute(sa.text("DELETE FROM warehouse.orders"))
-    enqueue_all(db_engine, [key])
+    enqueue(db_engine, [key], tenant="acme")
     Worker(settings, db_engine).run(drain=True)
     assert scalar(db_engine, "SELECT count(*) FROM enrichq.ticket_orders") == 0
     assert scalar(db_engine, "SELECT order_count FROM enrichq.ticket_enrichments") == 0
@@ -87,8 +66,8 @@ def test_a_new_lookup_replaces_the_previous_result(db_url: str, db_engine: sa.En
 def test_ticket_missing_from_the_mirror_is_retried_then_dead_lettered(
     db_url: str, db_engine: sa.Engine
 ) -> None:
-    seeded(db_engine, 1)
-    enqueue_all(db_engine, ["T-not-mirrored"])
+    seeded(db_engine, 1, enqueued=False)
+    enqueue(db_engine, ["T-not-mirrored"], tenant="acme")
     settings = make_settings(db_url, max_attempts=2, backoff_base_seconds=0, backoff_cap_seconds=0)
     # max_attempts is fixed per row at enqueue
     with db_engine.begin() as conn:
@@ -96,7 +75,7 @@ def test_ticket_missing_from_the_mirror_is_retried_then_dead_lettered(
     result = Worker(settings, db_engine).run(drain=True)
     assert result.counts["retry"] == 1
     assert result.counts["dead_letter"] == 1
-    state, reason, attempts, error = rows(
+    state, reason, attempts, error = q(
         db_engine, "SELECT state, dead_reason, attempts, last_error FROM enrichq.queue"
     )[0]
     assert (state, reason, attempts) == ("dead_letter", "attempts_exhausted", 2)
@@ -106,18 +85,18 @@ def test_ticket_missing_from_the_mirror_is_retried_then_dead_lettered(
 def test_permanent_error_fails_and_deferral_keeps_the_attempt(
     db_url: str, db_engine: sa.Engine
 ) -> None:
-    keys = seeded(db_engine, 2)
-    enqueue_all(db_engine, keys[:1])
+    keys = seeded(db_engine, 2, enqueued=False)
+    enqueue(db_engine, keys[:1], tenant="acme")
     failing = make_settings(db_url, enricher="tests.support.enrichers:permanent")
     Worker(failing, db_engine).run(drain=True)
-    assert rows(db_engine, "SELECT state, attempts FROM enrichq.queue") == [("failed", 1)]
+    assert q(db_engine, "SELECT state, attempts FROM enrichq.queue") == [("failed", 1)]
     assert "malformed requester" in scalar(db_engine, "SELECT last_error FROM enrichq.queue")
 
-    enqueue_all(db_engine, keys[1:])
+    enqueue(db_engine, keys[1:], tenant="acme")
     deferring = make_settings(db_url, enricher="tests.support.enrichers:defer_an_hour")
     result = Worker(deferring, db_engine).run(drain=True)
     assert result.counts["deferred"] == 1
-    state, attempts, wait = rows(
+    state, attempts, wait = q(
         db_engine,
         "SELECT state, attempts, extract(epoch FROM visible_at - now()) FROM enrichq.queue "
         "WHERE key = :k",
@@ -133,14 +112,14 @@ def test_permanent_error_fails_and_deferral_keeps_the_attempt(
 
 
 def test_unexpected_exceptions_are_transient(db_url: str, db_engine: sa.Engine) -> None:
-    keys = seeded(db_engine, 1)
-    enqueue_all(db_engine, keys)
+    keys = seeded(db_engine, 1, enqueued=False)
+    enqueue(db_engine, keys, tenant="acme")
     settings = make_settings(db_url, enricher="tests.support.enrichers:flaky")
     result = Worker(settings, db_engine).run(drain=True)
     assert result.counts["retry"] == 1
-    state, attempts, error = rows(
-        db_engine, "SELECT state, attempts, last_error FROM enrichq.queue"
-    )[0]
+    state, attempts, error = q(db_engine, "SELECT state, attempts, last_error FROM enrichq.queue")[
+        0
+    ]
     assert (state, attempts) == ("queued", 1)
     assert error == "ValueError: warehouse hiccup"
 
@@ -148,7 +127,7 @@ def test_unexpected_exceptions_are_transient(db_url: str, db_engine: sa.Engine) 
 def test_unknown_kind_and_malformed_payload_fail_with_the_reason(
     db_url: str, db_engine: sa.Engine
 ) -> None:
-    keys = seeded(db_engine, 2)
+    keys = seeded(db_engine, 2, enqueued=False)
     with db_engine.begin() as conn:
         conn.execute(
             sa.text(
@@ -159,7 +138,7 @@ def test_unknown_kind_and_malformed_payload_fail_with_the_reason(
         )
     worker = Worker(make_settings(db_url), db_engine, kinds=("enrich", "teleport"))
     worker.run(drain=True)
-    got = dict(rows(db_engine, "SELECT key, state || ': ' || last_error FROM enrichq.queue"))
+    got = dict(q(db_engine, "SELECT key, state || ': ' || last_error FROM enrichq.queue"))
     assert got == {
         keys[0]: "failed: PermanentError: payload must be a JSON object",
         keys[1]: "failed: PermanentError: unknown kind 'teleport'",
@@ -168,8 +147,8 @@ def test_unknown_kind_and_malformed_payload_fail_with_the_reason(
 
 
 def test_budget_exhausted_defers_with_attempts_unchanged(db_url: str, db_engine: sa.Engine) -> None:
-    keys = seeded(db_engine, 12)
-    enqueue_all(db_engine, keys)
+    keys = seeded(db_engine, 12, enqueued=False)
+    enqueue(db_engine, keys, tenant="acme")
     settings = make_settings(
         db_url, enricher="tests.support.enrichers:tagged", daily_bytes_budget=2500, concurrency=1
     )
@@ -181,7 +160,7 @@ def test_budget_exhausted_defers_with_attempts_unchanged(db_url: str, db_engine:
     assert scalar(db_engine, "SELECT count(*) FROM enrichq.queue WHERE state = 'done'") == 3
     assert result.counts["deferred"] == 9
     # the other nine were claimed, then given back until midnight UTC, attempts unchanged
-    queued = rows(
+    queued = q(
         db_engine,
         "SELECT attempts, visible_at = (date_trunc('day', now() AT TIME ZONE 'UTC') "
         "+ interval '1 day') AT TIME ZONE 'UTC' FROM enrichq.queue WHERE state = 'queued'",
@@ -203,8 +182,8 @@ def test_enricher_plug_in_path_errors_are_settings_errors() -> None:
 def test_attempt_past_its_deadline_is_abandoned_and_retried(
     db_url: str, db_engine: sa.Engine, monkeypatch: Any
 ) -> None:
-    keys = seeded(db_engine, 1)
-    enqueue_all(db_engine, keys)
+    keys = seeded(db_engine, 1, enqueued=False)
+    enqueue(db_engine, keys, tenant="acme")
     monkeypatch.setenv("ENRICHQ_TEST_SLOW_SECONDS", "30")
     settings = make_settings(
         db_url,
@@ -214,9 +193,9 @@ def test_attempt_past_its_deadline_is_abandoned_and_retried(
     )
     result = Worker(settings, db_engine).run(drain=True)
     assert result.counts["retry"] == 1
-    state, attempts, error = rows(
-        db_engine, "SELECT state, attempts, last_error FROM enrichq.queue"
-    )[0]
+    state, attempts, error = q(db_engine, "SELECT state, attempts, last_error FROM enrichq.queue")[
+        0
+    ]
     assert (state, attempts) == ("queued", 1)
     assert "deadline" in error
     assert scalar(db_engine, "SELECT count(*) FROM enrichq.ticket_orders") == 0

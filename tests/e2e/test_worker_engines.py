@@ -9,6 +9,7 @@ import pytest
 import sqlalchemy as sa
 import sqlalchemy.exc as sa_exc
 from tests.support.settings import make_settings
+from tests.support.world import seeded
 
 from enrichq_service import queue
 from enrichq_service.queue import EnqueueRequest
@@ -86,12 +87,7 @@ def test_a_kept_connection_is_replaced_after_its_backend_dies(engines: WorkerEng
 
 
 def test_the_worker_drains_on_its_own_engines(db_url: str, engines: WorkerEngines) -> None:
-    from enrichq_service import seed
-
-    with engines.queue.begin() as conn:
-        seed.seed_world(conn, tickets=40)
-        keys = list(conn.execute(sa.text("SELECT id FROM helpdesk.tickets")).scalars())
-        queue.enqueue(conn, [EnqueueRequest.build(key=k) for k in keys], settings=make_settings())
+    seeded(engines.queue, 40)
     worker = Worker(
         make_settings(db_url, concurrency=8),
         engines.queue,

@@ -15,26 +15,15 @@ import pytest
 import sqlalchemy as sa
 from tests.support.db import execute, q
 from tests.support.procs import enrichq_env, spawn, stop, wait_for
-from tests.support.settings import make_settings
+from tests.support.world import seeded
 
 from enrichq_schema.db import create_engine, ensure_database, migrate
 from enrichq_schema.states import LEASE_EXPIRED_ERROR
-from enrichq_service import queue, seed
-from enrichq_service.queue import EnqueueRequest
 from enrichq_sweeper import recovery
 
 pytestmark = pytest.mark.slow
 
 FAST_LEASE = {"lease_seconds": 2, "heartbeat_seconds": 0.5, "poll_seconds": 0.2}
-
-
-def seed_and_enqueue(engine: sa.Engine, tickets: int) -> list[str]:
-    cfg = make_settings(str(engine.url))
-    with engine.begin() as conn:
-        seed.seed_world(conn, tickets=tickets)
-        keys = [r[0] for r in conn.execute(sa.text("SELECT id FROM helpdesk.tickets ORDER BY id"))]
-        queue.enqueue(conn, [EnqueueRequest.build(key=k) for k in keys], settings=cfg)
-    return keys
 
 
 @pytest.fixture
@@ -53,7 +42,7 @@ def expired(engine: sa.Engine) -> bool:
 def test_kill_9_mid_enrichment_then_recovery_enriches_exactly_once(
     db_url: str, db_engine: sa.Engine, markers: Path, tmp_path: Path
 ) -> None:
-    [key] = seed_and_enqueue(db_engine, 1)
+    [key] = seeded(db_engine, 1)
     env = enrichq_env(
         db_url,
         enricher="tests.support.enrichers:slow",
@@ -84,7 +73,7 @@ def test_kill_9_mid_enrichment_then_recovery_enriches_exactly_once(
 def test_frozen_worker_past_its_lease_is_fenced_out(
     db_url: str, db_engine: sa.Engine, markers: Path, tmp_path: Path
 ) -> None:
-    [key] = seed_and_enqueue(db_engine, 1)
+    [key] = seeded(db_engine, 1)
     frozen = spawn(
         ["worker"],
         enrichq_env(
@@ -128,7 +117,7 @@ def test_frozen_worker_past_its_lease_is_fenced_out(
 def test_sigterm_finishes_in_flight_work_and_exits_0(
     db_url: str, db_engine: sa.Engine, markers: Path, tmp_path: Path
 ) -> None:
-    seed_and_enqueue(db_engine, 5)
+    seeded(db_engine, 5)
     worker = spawn(
         ["worker"],
         enrichq_env(
@@ -155,7 +144,7 @@ def test_sigterm_finishes_in_flight_work_and_exits_0(
 
 
 def test_time_budget_stops_claiming(db_url: str, db_engine: sa.Engine, tmp_path: Path) -> None:
-    seed_and_enqueue(db_engine, 30)
+    seeded(db_engine, 30)
     worker = spawn(
         ["worker", "--time-budget", "1"],
         enrichq_env(
@@ -197,7 +186,7 @@ def test_database_restart_while_two_workers_drain(
     server, url = own_server
     engine = create_engine(url)
     try:
-        seed_and_enqueue(engine, 2000)
+        seeded(engine, 2000)
         env = enrichq_env(url, lease_seconds=10, heartbeat_seconds=2, poll_seconds=0.5)
         workers = [spawn(["worker"], env, log=tmp_path / f"w{i}.log") for i in range(2)]
         done = "SELECT count(*) FROM enrichq.queue WHERE state = 'done'"
@@ -231,7 +220,7 @@ def test_database_restart_while_two_workers_drain(
 def test_a_suspect_that_crashes_its_process_costs_only_its_own_attempt(
     db_url: str, db_engine: sa.Engine, tmp_path: Path
 ) -> None:
-    keys = seed_and_enqueue(db_engine, 5)
+    keys = seeded(db_engine, 5)
     with db_engine.begin() as conn:
         conn.execute(
             sa.text(
@@ -273,7 +262,7 @@ def suspects_drained(
     a database outage or a crash), and ticket POISON as one too if asked; then one worker
     drains the queue with a batch enricher that records its process per ticket. Every row
     is visible at start, so one claim takes them all, in one unit. The keys, POISON aside."""
-    keys = seed_and_enqueue(engine, tickets)
+    keys = seeded(engine, tickets)
     suspect = {"e": LEASE_EXPIRED_ERROR}
     execute(
         engine,

@@ -23,31 +23,12 @@ from tests.support.db import q
 from tests.support.enrichers import BAD_FIELDS, BAD_KINDS
 from tests.support.procs import enrichq_env, spawn, wait_for
 from tests.support.settings import make_settings
+from tests.support.world import seeded
 
 from enrichq_schema.db import create_engine
-from enrichq_service import queue, seed
-from enrichq_service.queue import EnqueueRequest
 from enrichq_service.worker import RunResult, Worker
 
 pytestmark = pytest.mark.slow
-
-
-def seeded(engine: sa.Engine, tickets: int, *, extra: tuple[str, ...] = ()) -> list[str]:
-    """A seeded world with every ticket enqueued (visible now); the ticket ids."""
-    cfg = make_settings(str(engine.url))
-    with engine.begin() as conn:
-        seed.seed_world(conn, tickets=tickets)
-        for key in extra:
-            conn.execute(
-                sa.text(
-                    "INSERT INTO helpdesk.tickets (id, requester_email, tenant)"
-                    " VALUES (:k, 'nobody@example.org', 'acme')"
-                ),
-                {"k": key},
-            )
-        keys = [r[0] for r in conn.execute(sa.text("SELECT id FROM helpdesk.tickets ORDER BY id"))]
-        queue.enqueue(conn, [EnqueueRequest.build(key=k) for k in keys], settings=cfg)
-    return keys
 
 
 @contextmanager
