@@ -19,6 +19,7 @@ import sqlalchemy as sa
 from tests.support.db import lock_waiters
 from tests.support.procs import wait_for
 from tests.support.settings import make_settings
+from tests.support.threads import run_together
 
 from enrichq_service import queue
 from enrichq_service.queue import EnqueueRequest, Job
@@ -34,27 +35,6 @@ RESULT = sa.text(
     " SELECT q.key, 'O-' || q.key, now(), q.id FROM enrichq.queue AS q"
     " WHERE q.id = ANY(CAST(:ids AS bigint[]))"
 )
-
-
-def run_together(calls: list[Callable[[], Any]], *, timeout: float = 60) -> list[Any]:
-    """Each call on its own thread, released together by a barrier; results in order."""
-    barrier = threading.Barrier(len(calls))
-    results: list[Any] = [None] * len(calls)
-
-    def run(i: int) -> None:
-        try:
-            barrier.wait(timeout)
-            results[i] = calls[i]()
-        except BaseException as exc:  # the test asserts on it
-            results[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout)
-    assert not any(t.is_alive() for t in threads), "a racing call never finished"
-    return results
 
 
 def claim_all(engine: sa.Engine, prefix: str) -> list[Job]:
@@ -109,9 +89,11 @@ def test_a_cancel_racing_a_settle_never_deadlocks_nor_fails(db_engine: sa.Engine
     for trial in range(TRIALS):
         prefix = f"R{trial:02d}"
         jobs = claim_all(db_engine, prefix)
-        won, cancelled = run_together(
-            [partial(settle, db_engine, jobs), partial(cancel_prefix, db_engine, prefix)]
-        )
+        race: list[Callable[[], Any]] = [
+            partial(settle, db_engine, jobs),
+            partial(cancel_prefix, db_engine, prefix),
+        ]
+        won, cancelled = run_together(race)
         assert not isinstance(won, BaseException), won
         assert not isinstance(cancelled, BaseException), cancelled
         rows = outcome(db_engine, prefix)
@@ -215,9 +197,11 @@ def test_a_redrive_racing_an_enqueue_of_the_same_ticket_leaves_one_queued_row(
                 ),
                 {"key": key},
             )
-        results = run_together(
-            [partial(redrive_key, db_engine, key), partial(enqueue_key, db_engine, key)]
-        )
+        race: list[Callable[[], Any]] = [
+            partial(redrive_key, db_engine, key),
+            partial(enqueue_key, db_engine, key),
+        ]
+        results = run_together(race)
         assert not [r for r in results if isinstance(r, BaseException)], results
         with db_engine.connect() as conn:
             states = sorted(

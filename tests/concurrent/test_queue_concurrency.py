@@ -15,6 +15,7 @@ import sqlalchemy.exc as sa_exc
 from tests.support.claimer import ClaimReport, claim_until_empty
 from tests.support.procs import wait_for
 from tests.support.settings import make_settings
+from tests.support.threads import run_together
 
 from enrichq_schema.db import create_engine
 from enrichq_schema.errors import constraint_name
@@ -29,27 +30,6 @@ ROWS = 20_000
 BATCHES = (1, 4, 16, 25, 32, 50, 64, 100)
 RETRY_EVERY = 97  # ids divisible by this are retried once, so some rows get a second attempt
 T = TypeVar("T")
-
-
-def run_together(calls: list[Callable[[], T]], *, timeout: float = 60) -> list[T | BaseException]:
-    """Run each call on its own thread, released together by a barrier; results in order."""
-    barrier = threading.Barrier(len(calls))
-    results: list[T | BaseException | None] = [None] * len(calls)
-
-    def run(i: int) -> None:
-        try:
-            barrier.wait(timeout)
-            results[i] = calls[i]()
-        except BaseException as exc:  # reported to the test, which asserts on it
-            results[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout)
-    assert not any(t.is_alive() for t in threads), "a racing call never finished"
-    return results  # type: ignore[return-value]  # every slot filled: the threads all finished
 
 
 def count_states(engine: sa.Engine) -> dict[str, int]:
