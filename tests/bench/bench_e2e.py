@@ -121,6 +121,17 @@ def drain(
         engine.dispose()
 
 
+def seed_analyzed(url: str, tickets: int) -> None:
+    """Seed the world with `tickets` tickets, and ANALYZE what it wrote."""
+    engine = create_engine(url)
+    try:
+        with engine.begin() as conn:
+            seed.seed_world(conn, tickets=tickets)
+            conn.execute(sa.text("ANALYZE"))
+    finally:
+        engine.dispose()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tickets", type=int, default=20_000)
@@ -139,13 +150,7 @@ def main() -> None:
         args.profile.mkdir(parents=True, exist_ok=True)
         profile = args.profile / "noop-batch.txt"
     with scratch_database("e2e") as url:
-        engine = create_engine(url)
-        with engine.begin() as conn:
-            seed.seed_world(conn, tickets=args.tickets)
-        # VACUUM cannot run in a transaction block
-        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            conn.execute(sa.text("ANALYZE"))
-        engine.dispose()
+        seed_analyzed(url, args.tickets)
         noop_batch_x1 = 0.0
         for workers in (1, 2):
             runs = (

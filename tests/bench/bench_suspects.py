@@ -17,11 +17,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-import sqlalchemy as sa
-
-from enrichq_schema.db import create_engine
-from enrichq_service import seed
-from tests.bench.bench_e2e import LOOKUP_BATCH, drain
+from tests.bench.bench_e2e import LOOKUP_BATCH, drain, seed_analyzed
 from tests.bench.common import print_table, scratch_database
 
 
@@ -31,12 +27,7 @@ def main() -> None:
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="enrichq-bench-suspects-"))
     with scratch_database("suspects") as url:
-        engine = create_engine(url)
-        with engine.begin() as conn:
-            seed.seed_world(conn, tickets=args.tickets)
-        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            conn.execute(sa.text("ANALYZE"))
-        engine.dispose()
+        seed_analyzed(url, args.tickets)
         fresh = drain(url, args.tickets, 1, LOOKUP_BATCH, logs)
         suspects = drain(url, args.tickets, 1, LOOKUP_BATCH, logs, suspects=True)
     print_table(
