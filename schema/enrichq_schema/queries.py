@@ -14,8 +14,9 @@ another. A fragment is the package's own text, never a value (values are ``:bind
 configured table name (``{table}``, quoted in by `enrichq_schema.identifiers` when the
 statement runs); double braces are neither a bind, a cast (``::``) nor valid SQL, so a
 reference left unspliced could never run quietly. A reference to a fragment the file does
-not define, a fragment defined twice, used by no query or including itself, and ``{{x}}``
-anywhere but alone on its line, are errors when the file is loaded.
+not define, a fragment defined twice, used by no query, including itself, holding a ``;``
+(outside comments and string literals) or named like a query, and ``{{x}}`` anywhere but
+alone on its line, are errors when the file is loaded.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ PREPARED_OPTION = "enrichq_prepared"
 _REFERENCE = re.compile(
     r"^(?P<indent>[ \t]*)\{\{\s*(?P<name>[a-z_][a-z0-9_]*)\s*\}\}[ \t]*$", re.MULTILINE
 )
+# A comment to the end of its line, or a string literal (its '' escapes included): text in
+# which a ';' ends nothing.
+_COMMENT_OR_LITERAL = re.compile(r"--[^\n]*|'(?:[^']|'')*'")
 # What is left of a reference that was not alone on its line (or not a fragment name).
 _STRAY_REFERENCE = re.compile(r"\{\{[^{}]*\}\}")
 
@@ -84,7 +88,8 @@ class Queries(Mapping[str, Query]):
 
 def parse(source: str, text: str) -> Queries:
     """Split a file's text into its named queries, fragments spliced in; duplicate or empty
-    names, and fragments that are undefined, defined twice, unused or circular, are errors."""
+    names, and fragments that are undefined, defined twice, unused, circular, holding a ';'
+    or named like a query, are errors."""
     headers = list(_HEADER.finditer(text))
     if not any(header["kind"] == "name" for header in headers):
         raise ValueError(f"{source}: no '-- name:' headers")
@@ -100,16 +105,13 @@ def parse(source: str, text: str) -> Queries:
             raise ValueError(f"{source}: {what} {name!r} is defined twice")
         doc, body = _split_doc(text[header.end() : end])
         if what == "fragment":
-            if flags:
-                raise ValueError(f"{source}: fragment {name!r} takes no flags, got {flags}")
-            # its lines keep their indentation relative to each other; the splice indents them
-            fragments[name] = textwrap.dedent(body.strip("\n")).rstrip()
-            if not fragments[name]:
-                raise ValueError(f"{source}: fragment {name!r} is empty")
+            fragments[name] = _fragment(source, name, flags, body)
             continue
         if unknown := set(flags) - _FLAGS:
             raise ValueError(f"{source}: query {name!r} has unknown flags {sorted(unknown)}")
         written[name] = (doc, body, "prepared" in flags)
+    if both := sorted(set(written) & set(fragments)):
+        raise ValueError(f"{source}: {both[0]!r} is the name of a query and of a fragment")
     queries: dict[str, Query] = {}
     used: set[str] = set()
     for name, (doc, body, prepared) in written.items():
@@ -125,6 +127,22 @@ def parse(source: str, text: str) -> Queries:
     if unused := sorted(set(fragments) - used):
         raise ValueError(f"{source}: fragments {unused} are used by no query")
     return Queries(source, queries)
+
+
+def _fragment(source: str, name: str, flags: list[str], body: str) -> str:
+    """The text of fragment `name`, its lines indented relative to each other (the splice
+    indents them); an error if it takes flags, is empty or holds a ';'."""
+    if flags:
+        raise ValueError(f"{source}: fragment {name!r} takes no flags, got {flags}")
+    text = textwrap.dedent(body.strip("\n")).rstrip()
+    if not text:
+        raise ValueError(f"{source}: fragment {name!r} is empty")
+    if ";" in _COMMENT_OR_LITERAL.sub("", text):
+        raise ValueError(
+            f"{source}: fragment {name!r} holds a ';': a fragment is part of one statement, "
+            "and a ';' would end it"
+        )
+    return text
 
 
 def _split_doc(block: str) -> tuple[str, str]:

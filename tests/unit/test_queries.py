@@ -134,6 +134,19 @@ def test_fragment_mistakes_are_errors_when_the_file_is_loaded() -> None:
         parse("t.sql", "-- fragment: f\nAND a\n")
 
 
+def test_a_fragment_is_part_of_one_statement_and_has_a_name_of_its_own() -> None:
+    used = "-- name: q\nSELECT 1\nWHERE true\n{{f}}\n"
+    # a semicolon would end the statement it is spliced into and start another
+    with pytest.raises(ValueError, match="fragment 'f' holds a ';'"):
+        parse("t.sql", "-- fragment: f\nAND a; DELETE FROM t\n" + used)
+    # in a comment or a string literal it is text, not the end of a statement
+    q = parse("t.sql", "-- fragment: f\nAND a = 'x;y'  -- a; b\n" + used)
+    assert q["q"].sql == "SELECT 1\nWHERE true\nAND a = 'x;y'  -- a; b"
+    # a query and a fragment of one name: {{f}} and q("f") would mean different text
+    with pytest.raises(ValueError, match="'f' is the name of a query and of a fragment"):
+        parse("t.sql", "-- fragment: f\nAND a\n-- name: f\nSELECT 2\n" + used)
+
+
 def test_a_reference_not_alone_on_its_line_is_an_error_not_sql() -> None:
     fragment = "-- fragment: f\nAND a\n"
     for statement in ("SELECT 1 WHERE true {{f}}", "SELECT 1\n{{F}}", "SELECT 1\n-- see {{f}}"):
