@@ -99,6 +99,36 @@ def prepare(
     return keys
 
 
+@dataclass
+class Run:
+    """One scenario's database, its world and its outcome; `seconds` counts from the moment
+    its work was enqueued to the moment its fleet stopped."""
+
+    engine: sa.Engine
+    out: Outcome
+    keys: list[str]
+    started: float = field(default_factory=time.monotonic)
+
+    @contextmanager
+    def fleet(self, db_url: str, logs: Path, **kw: Any) -> Iterator[Fleet]:
+        """The scenario's `fleet`; when it has stopped, the outcome's `seconds`."""
+        with fleet(db_url, logs, **kw) as f:
+            yield f
+        self.out.seconds = time.monotonic() - self.started
+
+
+@contextmanager
+def prepared(db_url: str, name: str, tickets: int, **world: Any) -> Iterator[Run]:
+    """A scenario named `name` on `db_url`: its world prepared (`prepare`, with `world`),
+    the clock started; the engine is disposed of after."""
+    engine = create_engine(db_url)
+    try:
+        keys = prepare(engine, tickets, **world)
+        yield Run(engine, Outcome(name, tickets), keys)
+    finally:
+        engine.dispose()
+
+
 class Fleet:
     """Worker and sweeper processes of one scenario, restartable."""
 
@@ -185,12 +215,14 @@ DONE = "SELECT count(*) FROM enrichq.queue WHERE state = 'done'"
 
 
 def drained(engine: sa.Engine, fleet: Fleet | None = None, timeout: float = 240) -> None:
-    def check() -> bool:
-        if fleet is not None:
-            fleet.revive()
-        return quiet(engine)
-
-    watched(engine, fleet, check, timeout=timeout, interval=0.25, what="the queue to drain")
+    watched(
+        engine,
+        fleet,
+        lambda: quiet(engine),
+        timeout=timeout,
+        interval=0.25,
+        what="the queue to drain",
+    )
 
 
 def reached(engine: sa.Engine, fleet: Fleet, rows: float, *, what: str) -> None:
@@ -207,9 +239,17 @@ def watched(
     what: str,
     interval: float = 0.05,
 ) -> None:
-    """`wait_for`, whose failure also says what the queue and the fleet look like."""
+    """`wait_for` of `condition`, the `fleet`'s exited processes started again meanwhile as a
+    supervisor would (one that starts while the database restarts exits at start-up, by
+    design); its failure also says what the queue and the fleet look like."""
+
+    def revived() -> bool:
+        if fleet is not None:
+            fleet.revive()
+        return condition()
+
     try:
-        wait_for(condition, timeout=timeout, interval=interval, what=what)
+        wait_for(revived, timeout=timeout, interval=interval, what=what)
     except AssertionError as exc:
         raise AssertionError(f"{exc}; {stuck(engine, fleet)}") from None
 
@@ -228,7 +268,7 @@ def stuck(engine: sa.Engine, fleet: Fleet | None) -> str:
         sweeper = fleet.sweeper.poll() if fleet.sweeper is not None else "none"
         alive = f"workers exit codes {[w.poll() for w in fleet.workers]}, sweeper {sweeper}"
         for log in sorted(fleet.logs.glob("*.log")):
-            logged = [line for line in log.read_text().splitlines() if line[:2] == "20"]
+            logged = [line for line in log.read_text().splitlines() if line and line[0] != " "]
             alive += f"; {log.name}: {logged[-1][:300] if logged else 'nothing logged'}"
     return (
         f"open rows (state, expired, visible, owner, attempts, last error, n): {open_rows}; {alive}"
@@ -332,30 +372,21 @@ def _kill_workers(
     name: str,
     **settings: Any,
 ) -> Outcome:
-    engine = create_engine(db_url)
-    out = Outcome(name, tickets)
-    try:
-        prepare(engine, tickets)
-        start = time.monotonic()
-        with fleet(fleet_url, logs, **settings) as f:
+    with prepared(db_url, name, tickets) as run:
+        engine, out = run.engine, run.out
+        with run.fleet(fleet_url, logs, **settings) as f:
             f.start_sweeper()
             # a kill every 0.3-1.2 s, one per 30 tickets (at least 8), while work remains
             kills = max(8, tickets // 30)
             kill_workers_while_busy(f, engine, out, rng, kills=kills, pause=(0.3, 1.2))
-        out.seconds = time.monotonic() - start
         return check(engine, out)
-    finally:
-        engine.dispose()
 
 
 def freeze(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outcome:
     """A worker frozen (SIGSTOP) past its lease, resumed after the others finished its rows."""
-    engine = create_engine(db_url)
-    out = Outcome("SIGSTOP past the lease, resume", tickets)
-    try:
-        prepare(engine, tickets)
-        start = time.monotonic()
-        with fleet(
+    with prepared(db_url, "SIGSTOP past the lease, resume", tickets) as run:
+        engine, out = run.engine, run.out
+        with run.fleet(
             db_url,
             logs,
             enricher="tests.support.enrichers:sleepy_warehouse",
@@ -374,24 +405,18 @@ def freeze(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outcome
             # late write it would make has been tried (and must have been refused).
             stop(victim)
             drained(engine, f)
-        out.seconds = time.monotonic() - start
         return check(engine, out)
-    finally:
-        engine.dispose()
 
 
 def terminate_storm(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outcome:
     """A storm of pg_terminate_backend on the workers' connections."""
-    engine = create_engine(db_url)
-    out = Outcome("pg_terminate_backend storm", tickets)
-    try:
-        prepare(engine, tickets)
-        start = time.monotonic()
+    with prepared(db_url, "pg_terminate_backend storm", tickets) as run:
+        engine, out = run.engine, run.out
         db = sa.engine.make_url(db_url).database
-        with fleet(db_url, logs) as f:
+        with run.fleet(db_url, logs) as f:
             f.start_sweeper()
             last = time.monotonic()
-            while not quiet(engine) and time.monotonic() - start < 240:
+            while not quiet(engine) and time.monotonic() - run.started < 240:
                 time.sleep(rng.uniform(0.1, 0.5))
                 killed = q(
                     engine,
@@ -404,20 +429,14 @@ def terminate_storm(db_url: str, logs: Path, tickets: int, rng: random.Random) -
                 last = time.monotonic()
             drained(engine, f)
             out.recover_seconds.append(time.monotonic() - last)
-        out.seconds = time.monotonic() - start
         return check(engine, out)
-    finally:
-        engine.dispose()
 
 
 def slow_warehouse(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outcome:
     """A warehouse so slow that every lookup outlives the claim loop many times over."""
-    engine = create_engine(db_url)
-    out = Outcome("slow warehouse holding its pool", tickets)
-    try:
-        prepare(engine, tickets)
-        start = time.monotonic()
-        with fleet(
+    with prepared(db_url, "slow warehouse holding its pool", tickets) as run:
+        engine, out = run.engine, run.out
+        with run.fleet(
             db_url,
             logs,
             workers=2,
@@ -427,25 +446,21 @@ def slow_warehouse(db_url: str, logs: Path, tickets: int, rng: random.Random) ->
         ) as f:
             f.start_sweeper()
             drained(engine, f, timeout=400)
-        out.seconds = time.monotonic() - start
         out.faults = tickets
         # heartbeats kept every lease alive: nothing was claimed twice
         out.notes = "claims beyond the first: " + str(
             q(engine, "SELECT coalesce(sum(attempts - 1), 0) FROM enrichq.queue")[0][0]
         )
         return check(engine, out)
-    finally:
-        engine.dispose()
 
 
 def poison(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outcome:
     """A ticket whose enrichment kills the process every time."""
-    engine = create_engine(db_url)
-    out = Outcome("poison ticket crashes its worker", tickets)
-    try:
-        prepare(engine, tickets, extra_keys=("POISON",), max_attempts=3)
-        start = time.monotonic()
-        with fleet(
+    with prepared(
+        db_url, "poison ticket crashes its worker", tickets, extra_keys=("POISON",), max_attempts=3
+    ) as run:
+        engine, out = run.engine, run.out
+        with run.fleet(
             db_url, logs, enricher="tests.support.enrichers:crash_on_poison", max_attempts=3
         ) as f:
             f.start_sweeper()
@@ -455,14 +470,11 @@ def poison(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outcome
                 return quiet(engine)
 
             wait_for(settled, timeout=240, interval=0.25, what="the queue to drain")
-        out.seconds = time.monotonic() - start
         row = q(
             engine, "SELECT state, dead_reason, attempts FROM enrichq.queue WHERE key = 'POISON'"
         )
         out.notes = f"POISON: {row}"
         return check(engine, out, poison=("POISON",))
-    finally:
-        engine.dispose()
 
 
 def db_restart(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outcome:
@@ -478,16 +490,13 @@ def db_restart(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Out
     base = Path(tempfile.mkdtemp(prefix="enrichq-chaos-pg-", dir="/tmp"))
     base.chmod(0o711)
     server = EmbeddedPostgres(base, port=free_port())
-    out = Outcome("PostgreSQL restarted, then crashed, mid-run", tickets)
-    out.notes = "the second stop is a crash (immediate shutdown): unflushed claims are lost"
     try:
         url = ensure_database(server.start(), "enrichq")
         migrate(url)
-        engine = create_engine(url)
-        try:
-            prepare(engine, tickets)
-            start = time.monotonic()
-            with fleet(url, logs) as f:
+        with prepared(url, "PostgreSQL restarted, then crashed, mid-run", tickets) as run:
+            engine, out = run.engine, run.out
+            out.notes = "the second stop is a crash (immediate shutdown): unflushed claims are lost"
+            with run.fleet(url, logs) as f:
                 f.start_sweeper()
                 for fraction, crash in ((0.2, False), (0.6, True)):
                     reached(engine, f, tickets * fraction, what=f"{fraction:.0%} done")
@@ -498,10 +507,7 @@ def db_restart(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Out
                     back = time.monotonic()
                 drained(engine, f)
                 out.recover_seconds.append(time.monotonic() - back)
-            out.seconds = time.monotonic() - start
             return check(engine, out)
-        finally:
-            engine.dispose()
     finally:
         server.stop()
         shutil.rmtree(base, ignore_errors=True)
@@ -581,17 +587,15 @@ def sweeper_killed(db_url: str, logs: Path, tickets: int, rng: random.Random) ->
 def bad_data(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outcome:
     """About 1% of lookups return an invalid result (each kind in turn) and 1% hang past
     the attempt deadline on their first start, while workers are killed with SIGKILL."""
-    engine = create_engine(db_url)
-    out = Outcome("bad data: invalid results, hangs, kill -9", tickets)
-    started = logs / "started"
-    started.mkdir()
-    try:
-        keys = prepare(engine, tickets)
+    with prepared(db_url, "bad data: invalid results, hangs, kill -9", tickets) as run:
+        engine, out = run.engine, run.out
+        started = logs / "started"
+        started.mkdir()
+        keys = run.keys
         fates = {k: bad_data_fate(k) for k in keys}
         bad = {k: fate for k, fate in fates.items() if fate in BAD_FIELDS}
         hung = [k for k, fate in fates.items() if fate == "hang"]
-        start = time.monotonic()
-        with fleet(
+        with run.fleet(
             db_url,
             logs,
             enricher="tests.support.enrichers:bad_data",
@@ -604,7 +608,6 @@ def bad_data(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outco
             # with nothing left, a draining worker exits on its own, and cleanly
             drain = spawn(["worker", "--drain"], f.env, log=logs / "drain.log")
             drain_exit = drain.wait(120)
-        out.seconds = time.monotonic() - start
         out.faults += len(bad) + len(hung)
         settled = q(
             engine,
@@ -621,8 +624,6 @@ def bad_data(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outco
             f" then done; wrongly settled: {wrong}; `worker --drain` exit {drain_exit}"
         )
         return check(engine, out, poison=tuple(bad))
-    finally:
-        engine.dispose()
 
 
 # The partitioned worker's own bounds: ENRICHQ_NETWORK_TIMEOUT_SECONDS, and a statement
@@ -638,16 +639,15 @@ def partition(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outc
     both directions without closing anything (no FIN, no RST) for PARTITION_SECONDS, more
     than three leases, then heals. The worker must give its jobs up within a lease (its
     handlers stopped), and every write of those jobs that arrives late must be refused."""
-    engine = create_engine(db_url)
-    out = Outcome("network partition of one worker (blackholed, then healed)", tickets)
-    try:
-        prepare(engine, tickets)
-        start = time.monotonic()
+    with prepared(
+        db_url, "network partition of one worker (blackholed, then healed)", tickets
+    ) as run:
+        engine, out = run.engine, run.out
         slow = {
             "enricher": "tests.support.enrichers:sleepy_warehouse",
             "ENRICHQ_TEST_SLOW_SECONDS": 0.05,
         }
-        with TcpProxy(target_of(db_url)) as proxy, fleet(db_url, logs, workers=2, **slow) as f:
+        with TcpProxy(target_of(db_url)) as proxy, run.fleet(db_url, logs, workers=2, **slow) as f:
             # its lookups take longer, so the cut finds its handlers running (the first claim
             # is seen within a poll), not only settles
             started = logs / "victim-started"
@@ -691,7 +691,6 @@ def partition(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outc
             # a graceful stop flushes its settles: every late write it makes has been tried
             assert stop(victim) == 0
             drained(engine, f)
-        out.seconds = time.monotonic() - start
         late = q(
             engine,
             "SELECT count(*) FROM enrichq.queue q JOIN unnest(CAST(:ids AS bigint[]),"
@@ -718,8 +717,6 @@ def partition(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outc
             f"late writes accepted: {late}"
         )
         return check(engine, out)
-    finally:
-        engine.dispose()
 
 
 def _first_log_line(path: Path, needle: str) -> tuple[float, int] | None:

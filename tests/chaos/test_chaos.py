@@ -26,6 +26,7 @@ def test_scenario_keeps_the_promise(name: str, db_url: str, tmp_path: Path) -> N
         pytest.skip(why)
     outcome = SCENARIOS[name](db_url, tmp_path, TICKETS, random.Random(name))
     assert outcome.faults > 0
+    assert outcome.seconds > 0  # the report's time figure was measured
     assert outcome.lost == 0
     assert outcome.not_done == 0
     assert outcome.duplicate_writes == 0
