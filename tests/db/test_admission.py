@@ -10,7 +10,7 @@ import pytest
 import sqlalchemy as sa
 from tests.support.settings import make_settings
 
-from enrichq_service.worker.admission import Admission, Refused
+from enrichq_service.worker.admission import Admission, Admitted, Refused
 
 
 def in_flight(engine: sa.Engine, owner: str, reserved: int) -> None:
@@ -57,3 +57,37 @@ def test_a_lookup_is_admitted_while_the_budget_has_room(db_url: str, db_engine: 
     admission = Admission(db_engine, make_settings(db_url, daily_bytes_budget=100), "me:3:c")
     admitted = admission.admit(threading.Event())
     assert (admitted.reserved, admitted.unknown_cost) == (30, False)
+
+
+def test_a_take_made_while_the_first_cost_was_unknown_does_not_admit_a_second_unknown(
+    db_url: str, db_engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One lookup of unknown cost per worker: a second admission whose take ran while the
+    first lookup's cost was unknown, and which reaches the permit only once that lookup
+    has learned its cost, must not run as a second lookup of unknown cost (two workers
+    overspent a budget of 100 by four 60-byte lookups, one in 15 runs under load)."""
+    admission = Admission(db_engine, make_settings(db_url, daily_bytes_budget=100), "w")
+    first = admission.admit(threading.Event())
+    assert (first.unknown_cost, first.reserved) == (True, 0)
+    took, learned = threading.Event(), threading.Event()
+    take = Admission._take
+
+    def take_then_wait(self: Admission, token: uuid.UUID) -> sa.Row[tuple[object, ...]]:
+        row = take(self, token)
+        if not took.is_set():  # the second admission's first take: the cost still unknown
+            took.set()
+            learned.wait(30)
+        return row
+
+    monkeypatch.setattr(Admission, "_take", take_then_wait)
+    second: list[object] = []
+    thread = threading.Thread(target=lambda: second.append(admission.admit(threading.Event())))
+    thread.start()
+    assert took.wait(30)
+    admission.learned(first, 60)  # the first lookup cost 60 bytes: its permit is free again
+    learned.set()
+    thread.join(30)
+
+    [admitted] = second
+    assert isinstance(admitted, Admitted)
+    assert (admitted.unknown_cost, admitted.reserved) == (False, 60)

@@ -87,7 +87,7 @@ class Admission:
         waited = False
         while True:
             token = uuid.uuid4()
-            row = self._take(token)
+            row, permit = self._take_with_permit(token)
             if row.refused == "budget":
                 metrics.warehouse_deferrals_total.labels("budget").inc()
                 metrics.budget_exhausted.set(1)
@@ -95,7 +95,7 @@ class Admission:
             if row.refused is None:
                 metrics.budget_exhausted.set(0)
                 unknown = self._settings.daily_bytes_budget > 0 and not row.reserved
-                if not unknown or self._unknown.acquire(blocking=False):
+                if not unknown or permit:
                     return Admitted(token, int(row.reserved or 0), unknown, row.now)
                 self.release([token])  # wait for this worker's first lookup to cost something
             if not waited:
@@ -136,6 +136,27 @@ class Admission:
                 SQL("admission_extend"),
                 {"owner": self._owner, "lease_seconds": self._settings.lease_seconds, "now": None},
             )
+
+    def _take_with_permit(self, token: UUID) -> tuple[sa.Row[tuple[object, ...]], bool]:
+        """Take an admission, and say whether it holds this worker's permit for a lookup
+        of unknown cost (kept only by an admitted take that found no cost to reserve).
+
+        Only a take made while holding the permit may admit a lookup of unknown cost: the
+        permit is released once its lookup's cost is reserved, so such a take sees every
+        cost this worker has learned. A take made before that, while the first lookup's
+        cost was still unknown, would find no cost either and, reaching the permit after
+        it was released, run a second lookup of unknown cost beside one of known cost."""
+        permit = self._settings.daily_bytes_budget > 0 and self._unknown.acquire(blocking=False)
+        try:
+            row = self._take(token)
+        except BaseException:
+            if permit:
+                self._unknown.release()
+            raise
+        kept = permit and row.refused is None and not row.reserved
+        if permit and not kept:
+            self._unknown.release()
+        return row, kept
 
     def _take(self, token: UUID) -> sa.Row[tuple[object, ...]]:
         with self._engine.begin() as conn:
