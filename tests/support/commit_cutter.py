@@ -16,6 +16,8 @@ import socket
 import threading
 from collections.abc import Iterator
 
+from tests.support.tcpproxy import dial, target_of, via
+
 # CommandComplete ('C'), length 11 (4 + "COMMIT\0"), tag "COMMIT"
 COMMIT_COMPLETE = b"C\x00\x00\x00\x0bCOMMIT\x00"
 BUFFER = 65536
@@ -24,7 +26,7 @@ BUFFER = 65536
 class CommitCutter:
     """Listens on 127.0.0.1:`port` (0 = pick one) and forwards to `target`."""
 
-    def __init__(self, target: tuple[str, int], trigger: bytes, *, times: int = 1) -> None:
+    def __init__(self, target: tuple[str, int] | str, trigger: bytes, *, times: int = 1) -> None:
         self.target = target
         self.trigger = trigger
         self.left = times
@@ -49,7 +51,7 @@ class CommitCutter:
                 client, _ = self._listener.accept()
             except OSError:
                 return
-            server = socket.create_connection(self.target)
+            server = dial(self.target)
             threading.Thread(target=self._pump, args=(client, server), daemon=True).start()
 
     def _take_cut(self) -> bool:
@@ -81,11 +83,7 @@ class CommitCutter:
 
 @contextlib.contextmanager
 def cutting(url: str, trigger: bytes, *, times: int = 1) -> Iterator[tuple[str, CommitCutter]]:
-    """A URL like `url` that goes through a CommitCutter, and the cutter."""
-    from sqlalchemy.engine import make_url
-
-    parsed = make_url(url)
-    target = (parsed.host or "127.0.0.1", parsed.port or 5432)
-    with CommitCutter(target, trigger, times=times) as cutter:
-        proxied = parsed.set(host="127.0.0.1", port=cutter.port)
-        yield proxied.render_as_string(hide_password=False), cutter
+    """A URL like `url` that goes through a CommitCutter, and the cutter; `url`'s server may
+    listen on TCP or on a Unix socket (the embedded PostgreSQL of a laptop run)."""
+    with CommitCutter(target_of(url), trigger, times=times) as cutter:
+        yield via(cutter, url), cutter

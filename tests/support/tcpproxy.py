@@ -19,6 +19,7 @@ import contextlib
 import socket
 import threading
 from types import TracebackType
+from typing import Protocol
 
 from sqlalchemy.engine import make_url
 
@@ -35,13 +36,32 @@ def target_of(url: str) -> tuple[str, int] | str:
     return (host, port)
 
 
-def via(proxy: TcpProxy, url: str) -> str:
+class Listening(Protocol):
+    port: int  # on 127.0.0.1
+
+
+def via(proxy: Listening, url: str) -> str:
     """`url` with its server replaced by the proxy (the rest of the URL kept)."""
     parsed = make_url(url)
     query = {k: v for k, v in parsed.query.items() if k not in ("host", "port")}
     return parsed.set(host="127.0.0.1", port=proxy.port, query=query).render_as_string(
         hide_password=False
     )
+
+
+def dial(target: tuple[str, int] | str) -> socket.socket:
+    """A connection to `target`: (host, port), or a Unix socket's path (`target_of`)."""
+    if isinstance(target, str):
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            server.connect(target)
+        except OSError:
+            server.close()
+            raise
+        return server
+    server = socket.create_connection(target, timeout=10)
+    server.settimeout(None)
+    return server
 
 
 class TcpProxy:
@@ -115,7 +135,7 @@ class TcpProxy:
             client.close()
             return
         try:
-            server = self._dial()
+            server = dial(self.target)
         except OSError:
             client.close()
             return
@@ -125,19 +145,6 @@ class TcpProxy:
             threading.Thread(
                 target=self._pump, args=(src, dst), name="tcpproxy-pump", daemon=True
             ).start()
-
-    def _dial(self) -> socket.socket:
-        if isinstance(self.target, str):
-            server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                server.connect(self.target)
-            except OSError:
-                server.close()
-                raise
-            return server
-        server = socket.create_connection(self.target, timeout=10)
-        server.settimeout(None)
-        return server
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         while True:
