@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.engine import make_url
 from tests.support.settings import make_settings
 
 from enrichq_schema.db import create_engine
@@ -126,8 +127,10 @@ def test_network_timeouts_become_libpq_options_the_url_may_override(db_url: str)
         "tcp_user_timeout": 10_000,
         "connect_timeout": 10,
     }
+    # the URL may have a query already (the embedded server's socket, on a laptop run)
+    with_option = make_url(db_url).update_query_dict({"keepalives_idle": "42"})
     eng = create_engine(
-        db_url + "?keepalives_idle=42",
+        with_option.render_as_string(hide_password=False),
         pool_size=1,
         network_timeout_seconds=10,
         statement_timeout_seconds=3,
