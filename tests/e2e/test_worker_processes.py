@@ -189,6 +189,10 @@ def test_database_restart_while_two_workers_drain(
         seeded(engine, 2000)
         env = enrichq_env(url, lease_seconds=10, heartbeat_seconds=2, poll_seconds=0.5)
         workers = [spawn(["worker"], env, log=tmp_path / f"w{i}.log") for i in range(2)]
+        # both running (their runs logged) before the restart: under load one of them may
+        # still be starting when the other has done 300, and would log no run at all
+        runs = "SELECT count(*) FROM enrichq.runs WHERE component = 'worker'"
+        wait_for(lambda: q(engine, runs)[0][0] == 2, timeout=120, what="both workers running")
         done = "SELECT count(*) FROM enrichq.queue WHERE state = 'done'"
         wait_for(lambda: q(engine, done)[0][0] >= 300, timeout=120, what="300 done")
         server.stop()
