@@ -72,8 +72,8 @@ def run_once(
     """Delete old terminal queue rows, claim buckets, lookup-log and run-log rows, by pages.
 
     done/failed rows, lookup-log and run-log rows go after `retention_days`, dead letters
-    after `dead_letter_retention_days` (queue rows by finished_at), claim buckets after two
-    days, webhook event ids past the dedupe window (`event_dedupe_hours`).
+    after `dead_letter_retention_days` (queue rows and runs by when they ended), claim
+    buckets after two days, webhook event ids past the dedupe window (`event_dedupe_hours`).
     """
     if batch_size < 1:
         raise ValueError("batch_size must be at least 1")

@@ -116,6 +116,31 @@ def test_retention_deletes_only_rows_past_their_retention_in_batches(
         assert sorted(conn.execute(sa.select(runs.c.owner)).scalars()) == ["h:2", "h:3"]
 
 
+def test_a_run_longer_than_the_retention_is_kept_for_the_retention_after_it_ends(
+    db_engine: sa.Engine,
+) -> None:
+    # a worker that ran for 40 days and stopped yesterday: the row that says why it stopped
+    # is what an operator reads today, so its age runs from its end, not its start
+    with db_engine.begin() as conn:
+        conn.execute(
+            sa.insert(runs),
+            [
+                {"component": "worker", "owner": "long:1", "started_at": T0 - 40 * DAY,
+                 "finished_at": T0 - DAY, "stop_reason": "error", "error": "boom"},
+                {"component": "worker", "owner": "old:1", "started_at": T0 - 40 * DAY,
+                 "finished_at": T0 - 31 * DAY, "stop_reason": "shutdown", "error": None},
+            ],
+        )  # fmt: skip
+
+    result = retention.run_once(
+        db_engine, retention_days=30, dead_letter_retention_days=90, batch_size=2, now=T0
+    )
+
+    assert result.runs == 1
+    with db_engine.connect() as conn:
+        assert conn.execute(sa.select(runs.c.owner)).scalars().all() == ["long:1"]
+
+
 def test_retention_refuses_nonsense_periods(db_engine: sa.Engine) -> None:
     with pytest.raises(ValueError, match="positive"):
         retention.run_once(db_engine, retention_days=0, dead_letter_retention_days=90)

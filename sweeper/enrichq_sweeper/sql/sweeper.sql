@@ -232,13 +232,15 @@ SELECT 'lookup_log' AS what, count(*) AS n FROM deleted;
 
 
 -- name: retention_prune_runs
--- Deletes up to :batch_size finished run-log rows started before :cutoff, oldest first
--- (through runs_finished_started_at_idx); returns ('runs', n).
+-- Deletes up to :batch_size run-log rows that finished before :cutoff, the earliest ended
+-- first (through runs_finished_at_idx); returns ('runs', n). A run's age counts from its
+-- end: a run longer than the retention keeps its stop reason for the whole retention, and
+-- a run not finished (running, or its process died) is never deleted.
 WITH doomed AS (
     SELECT r.ctid AS row_at
     FROM enrichq.runs AS r
-    WHERE r.started_at < CAST(:cutoff AS timestamptz) AND r.finished_at IS NOT NULL
-    ORDER BY r.started_at
+    WHERE r.finished_at < CAST(:cutoff AS timestamptz)
+    ORDER BY r.finished_at
     LIMIT :batch_size
     FOR UPDATE SKIP LOCKED
 ),
