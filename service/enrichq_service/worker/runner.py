@@ -182,8 +182,11 @@ class Runner:
         billed = 0
         outcomes: list[Outcome] = []
         try:
-            suspects = [h for h in ready if is_suspect(h.job.attempts, h.job.last_error)]
-            rest = [h for h in ready if h not in suspects]
+            suspects: list[Held] = []
+            rest: list[Held] = []
+            for held in ready:
+                suspect = is_suspect(held.job.attempts, held.job.last_error)
+                (suspects if suspect else rest).append(held)
             if suspects:
                 # their last worker vanished mid-attempt: one of them may be what killed it
                 outcomes.extend(self._outcomes(suspects, deadline, cancelled, isolated=True))
