@@ -50,6 +50,46 @@ def test_drain_enriches_every_ticket_with_its_orders(db_url: str, db_engine: sa.
     assert run == [("worker", "no_work", "120", True)]
 
 
+def test_a_run_whose_start_could_not_be_logged_is_logged_when_it_ends(
+    db_url: str, db_engine: sa.Engine
+) -> None:
+    # the database refuses the run log's first insert, as it does when a worker starts in
+    # an outage, and its first update, so the end's first try rolls back the row it opened
+    # (a sequence is not rolled back: only the first of each fails)
+    with db_engine.begin() as conn:
+        for op in ("insert", "update"):
+            conn.execute(sa.text(f"CREATE SEQUENCE runs_{op}s"))
+            conn.execute(
+                sa.text(
+                    f"CREATE FUNCTION refuse_first_{op}() RETURNS trigger LANGUAGE plpgsql AS $$"
+                    f" BEGIN IF nextval('runs_{op}s') = 1 THEN"
+                    "   RAISE EXCEPTION 'the run log is unavailable'; END IF;"
+                    " RETURN NEW; END $$"
+                )
+            )
+            conn.execute(
+                sa.text(
+                    f"CREATE TRIGGER refuse_first_{op} BEFORE {op} ON enrichq.runs"
+                    f" FOR EACH ROW EXECUTE FUNCTION refuse_first_{op}()"
+                )
+            )
+    keys = seeded(db_engine, 5, enqueued=False)
+    enqueue(db_engine, keys, tenant="acme")
+    before = scalar(db_engine, "SELECT now()")
+    result = Worker(make_settings(db_url), db_engine).run(drain=True)
+    assert result.counts["done"] == 5
+    # the start refused, then the end's first try refused after it opened the row
+    assert scalar(db_engine, "SELECT last_value FROM runs_inserts") == 3
+    assert scalar(db_engine, "SELECT last_value FROM runs_updates") == 2
+    run = q(
+        db_engine,
+        "SELECT component, stop_reason, counts->>'done', started_at >= :before,"
+        " started_at <= finished_at FROM enrichq.runs",
+        before=before,
+    )
+    assert run == [("worker", "no_work", "5", True, True)]
+
+
 def test_a_new_lookup_replaces_the_previous_result(db_url: str, db_engine: sa.Engine) -> None:
     [key] = seeded(db_engine, 1, enqueued=False)
     settings = make_settings(db_url)

@@ -28,6 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 import sqlalchemy as sa
 import sqlalchemy.exc as sa_exc
@@ -159,6 +160,7 @@ class Worker:
 
     def run(self, *, drain: bool = False, time_budget: float | None = None) -> RunResult:
         """Work until stopped, out of time budget, or (with `drain`) out of visible work."""
+        began_at = datetime.now(UTC)
         run_id = self._start_run()
         started = time.monotonic()
         parts_stop = threading.Event()  # heartbeat and listener
@@ -194,7 +196,7 @@ class Worker:
                 t.join(timeout=10)
             self.runner.shutdown()
             result.counts = self._tally.snapshot()
-            self._finish_run(run_id, result)
+            self._finish_run(run_id, result, began_at)
         return result
 
     def _claim_loop(
@@ -350,15 +352,17 @@ class Worker:
             log.warning("could not write the run log (%s)", error_text(exc))
             return None
 
-    def _finish_run(self, run_id: int | None, result: RunResult) -> None:
-        if run_id is None:
-            return
+    def _finish_run(self, run_id: int | None, result: RunResult, began_at: datetime) -> None:
+        """Close this run's row; open it first if its start could not be written (the
+        worker started in an outage), so every run that ends says why. That row's start
+        is the worker's clock, the only one that saw it."""
         for attempt in range(3):
             try:
                 with self.engine.begin() as conn:
-                    runlog.finish(
-                        conn, run_id, result.stop_reason, dict(result.counts), result.error
-                    )
+                    row = run_id
+                    if row is None:  # in this transaction: a rolled-back try leaves no id
+                        row = runlog.start(conn, Component.WORKER, self.owner, now=began_at)
+                    runlog.finish(conn, row, result.stop_reason, dict(result.counts), result.error)
                 return
             except sa_exc.SQLAlchemyError as exc:
                 log.warning("could not finish the run log (%s)", error_text(exc))
