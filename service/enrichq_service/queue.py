@@ -285,6 +285,15 @@ def heartbeat(
     return {j.id for j in jobs} - extended
 
 
+def leases_not_held(
+    conn: sa.Connection, *, owner: str, held_ids: Iterable[int], now: datetime | None = None
+) -> list[Job]:
+    """The live leases of `owner` that are not among `held_ids`: what a claim whose COMMIT
+    reply was lost leased to it (the claim committed; the worker never heard of it)."""
+    params = {"owner": owner, "held_ids": sorted(held_ids), "now": now}
+    return [as_record(Job, r) for r in conn.execute(SQL("queue_leases_not_held"), params)]
+
+
 def settle(
     conn: sa.Connection,
     *,

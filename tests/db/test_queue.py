@@ -216,6 +216,32 @@ def test_heartbeat_extends_held_leases_and_reports_lost_ones(
     assert queue.heartbeat(conn, owner="w1", jobs=[a], lease_seconds=LEASE, now=at(200)) == {a.id}
 
 
+def test_leases_not_held_are_the_owners_live_leases_it_does_not_know(
+    conn: sa.Connection, cfg: Settings
+) -> None:
+    for key in ("T-1", "T-2", "T-3", "T-4"):
+        put(conn, cfg, key)
+    known, unheard, expiring = queue.claim(
+        conn, kinds=("enrich",), owner="w1", limit=3, lease_seconds=LEASE, now=T0
+    )
+    other = claim_one(conn, owner="w2")
+    conn.execute(
+        sa.text("UPDATE enrichq.queue SET lease_expires_at = :t WHERE id = :id"),
+        {"t": at(10), "id": expiring.id},
+    )
+    # w1 holds `known`; `unheard` it never heard of; `expiring`'s lease has run out by then;
+    # `other` is w2's
+    found = queue.leases_not_held(conn, owner="w1", held_ids=[known.id], now=at(20))
+    assert [(j.id, j.claim_token, j.attempts) for j in found] == [
+        (unheard.id, unheard.claim_token, 1)
+    ]
+    assert other.id not in {j.id for j in found}
+    # given back as a deferral: queued again with the claim's attempt returned
+    assert queue.defer(conn, owner="w1", deferrals=[(found[0], None)], now=at(20)) == {unheard.id}
+    again = row(conn, unheard.id)
+    assert (again.state, again.attempts, again.lease_owner) == ("queued", 0, None)
+
+
 # -- complete / fenced refusals
 
 

@@ -186,6 +186,13 @@ STATEMENTS: dict[str, tuple[Queries, str, Callable[[History], dict[str, Any]], s
         True,
     ),
     "settle": (QUEUE_SQL, "queue_settle", _settle, {"queue_queued_key_uq"}, True),
+    "leases_not_held": (
+        QUEUE_SQL,
+        "queue_leases_not_held",
+        lambda h: {"owner": OWNER, "held_ids": h.held_ids, "now": None},
+        set(),
+        False,
+    ),
     "enqueue_merge": (
         QUEUE_SQL,
         "queue_enqueue",

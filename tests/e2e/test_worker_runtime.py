@@ -223,6 +223,28 @@ def test_a_lost_commit_reply_charges_once_and_counts_done(
     assert (result.counts["done"], result.counts["lost"]) == (1, 0)
 
 
+def test_a_claim_whose_reply_was_lost_gives_its_rows_back_with_their_attempt(
+    db_url: str, db_engine: sa.Engine
+) -> None:
+    """The claim's COMMIT reaches the server, its reply never reaches the worker: the rows
+    it leased are given back as soon as the worker reaches the database again, with the
+    attempt the claim counted, not left leased until the lease expires."""
+    seeded(db_engine, 1)
+    # the claim is the one statement that counts claims per tenant
+    with cutting(db_url, b"INSERT INTO enrichq.tenant_served") as (proxied, cutter):
+        engine = create_engine(proxied, pool_size=2)
+        try:
+            settings = make_settings(proxied, lease_seconds=120)
+            result = drain_in_thread(Worker(settings, engine), timeout=60)
+        finally:
+            engine.dispose()
+    assert cutter.cut == 1
+    assert result is not None
+    # given back (attempts 1 -> 0), claimed again (-> 1), done, all within one drain
+    assert q(db_engine, "SELECT state, attempts FROM enrichq.queue") == [("done", 1)]
+    assert result.counts["done"] == 1
+
+
 def test_a_lookup_that_finishes_after_its_attempt_was_abandoned_is_logged_and_charged(
     db_url: str, db_engine: sa.Engine
 ) -> None:

@@ -276,6 +276,23 @@ WHERE q.id = d.id
 RETURNING q.id, q.state, q.dead_reason;
 
 
+-- name: queue_leases_not_held
+-- The live leases of :owner other than :held_ids, as the claim returns them: what a claim
+-- whose COMMIT reply was lost leased to this worker without its knowing (the claim tokens
+-- included, so the worker can give them back). Read through the index of live leases by
+-- expiry: a scan of the leased rows, never the history.
+WITH clock AS (
+    SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
+)
+SELECT q.id, q.kind, q.key, q.tenant, q.reason, q.payload, q.attempts, q.max_attempts,
+       q.claim_token, q.lease_expires_at, q.created_at, q.last_error, q.updated_at AS claimed_at
+FROM enrichq.queue AS q
+CROSS JOIN clock
+WHERE q.state = 'leased' AND q.lease_expires_at > clock.now AND q.lease_owner = :owner
+  AND NOT q.id = ANY(CAST(:held_ids AS bigint[]))
+ORDER BY q.id;
+
+
 -- name: queue_queued_ids
 -- The queued row of each (kind, key): for merges that waited on a concurrent enqueue, whose
 -- row committed after the enqueue statement's snapshot and so was not visible to it.

@@ -141,6 +141,8 @@ class Worker:
         )
         self.heartbeat = Heartbeat(engine, settings, self.owner, self.jobs, self.admission)
         self._free_since: float | None = None
+        # a claim failed in a way that may have committed (its COMMIT reply lost)
+        self._claim_unheard = False
         metrics.start_counters_at_zero(self.kinds)
         metrics.oldest_unsettled_seconds.set_function(self.jobs.oldest_unsettled_seconds)
 
@@ -218,11 +220,14 @@ class Worker:
             # snapshot) may put a row back in the queue that this claim cannot see yet.
             idle_before = not len(self.jobs) and not self.settler.pending()
             try:
+                if self._claim_unheard:
+                    self._give_back_unheard()
                 claimed = self._claim_round()
                 backoff.reset()
             except sa_exc.SQLAlchemyError as exc:
                 if not is_unavailable(exc):
                     raise
+                self._claim_unheard = True
                 log.warning("claim failed (%s); retrying", error_text(exc))
                 self.stop.wait(backoff.next())
                 continue
@@ -234,6 +239,22 @@ class Worker:
                 return StopReason.NO_WORK, None
             self._wake.wait(self._idle_wait())
             self._wake.clear()
+
+    def _give_back_unheard(self) -> None:
+        """Give back the rows a claim whose COMMIT reply was lost leased to this worker,
+        with the attempt it counted: the worker never heard of them, so nothing would work
+        them until their leases expired and the sweeper took them as suspects."""
+        held = [h.id for h in self.jobs.unsettled()]  # only this thread adds to them
+        with self._claim_conn.begin() as conn:
+            unheard = q.leases_not_held(conn, owner=self.owner, held_ids=held)
+            given = q.defer(conn, owner=self.owner, deferrals=[(job, None) for job in unheard])
+        self._claim_unheard = False
+        if unheard:
+            log.warning(
+                "gave back %d row(s) a claim whose reply was lost had leased to this worker",
+                len(given),
+            )
+            self._tally.add("given_back", len(given))
 
     def _claim_round(self) -> bool:
         """Claim as many rows as can start at once and hand them to the runner; whether it
