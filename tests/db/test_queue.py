@@ -219,18 +219,19 @@ def test_heartbeat_extends_held_leases_and_reports_lost_ones(
 def test_leases_not_held_are_the_owners_live_leases_it_does_not_know(
     conn: sa.Connection, cfg: Settings
 ) -> None:
-    for key in ("T-1", "T-2", "T-3", "T-4"):
+    for key in ("T-1", "T-2", "T-3", "T-4", "T-5"):
         put(conn, cfg, key)
-    known, unheard, expiring = queue.claim(
-        conn, kinds=("enrich",), owner="w1", limit=3, lease_seconds=LEASE, now=T0
+    known, unheard, expiring, let_go = queue.claim(
+        conn, kinds=("enrich",), owner="w1", limit=4, lease_seconds=LEASE, now=T0
     )
     other = claim_one(conn, owner="w2")
     conn.execute(
         sa.text("UPDATE enrichq.queue SET lease_expires_at = :t WHERE id = :id"),
         {"t": at(10), "id": expiring.id},
     )
+    queue.heartbeat(conn, owner="w1", jobs=[let_go], lease_seconds=LEASE, now=at(5))
     # w1 holds `known`; `unheard` it never heard of; `expiring`'s lease has run out by then;
-    # `other` is w2's
+    # `let_go` it heartbeated, so heard of (and then let go); `other` is w2's
     found = queue.leases_not_held(conn, owner="w1", held_ids=[known.id], now=at(20))
     assert [(j.id, j.claim_token, j.attempts) for j in found] == [
         (unheard.id, unheard.claim_token, 1)

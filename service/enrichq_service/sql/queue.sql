@@ -277,10 +277,12 @@ RETURNING q.id, q.state, q.dead_reason;
 
 
 -- name: queue_leases_not_held
--- The live leases of :owner other than :held_ids, as the claim returns them: what a claim
--- whose COMMIT reply was lost leased to this worker without its knowing (the claim tokens
--- included, so the worker can give them back). Read through the index of live leases by
--- expiry: a scan of the leased rows, never the history.
+-- The live leases of :owner other than :held_ids that no heartbeat has extended since their
+-- claim, as the claim returns them: what a claim whose COMMIT reply was lost leased to this
+-- worker without its knowing (the claim tokens included, so the worker can give them
+-- back). A worker heartbeats every row it heard of, so a row it worked on and then let go
+-- (its heartbeat's reply lost) is never taken for one. Read through the index of live
+-- leases by expiry: a scan of the leased rows, never the history.
 WITH clock AS (
     SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
 )
@@ -289,6 +291,7 @@ SELECT q.id, q.kind, q.key, q.tenant, q.reason, q.payload, q.attempts, q.max_att
 FROM enrichq.queue AS q
 CROSS JOIN clock
 WHERE q.state = 'leased' AND q.lease_expires_at > clock.now AND q.lease_owner = :owner
+  AND q.heartbeat_at = q.updated_at  -- both set by the claim, and only heartbeats move one
   AND NOT q.id = ANY(CAST(:held_ids AS bigint[]))
 ORDER BY q.id;
 
