@@ -27,8 +27,10 @@ from typing import Any
 import sqlalchemy as sa
 
 from enrichq_schema.db import create_engine
+from enrichq_schema.states import LEASE_EXPIRED_ERROR
 from enrichq_service import seed
 from tests.support import cluster, pgbouncer
+from tests.support.commit_cutter import CommitCutter
 from tests.support.db import q
 from tests.support.enrichers import BAD_FIELDS, bad_data_fate
 from tests.support.pgbouncer import PgBouncer
@@ -733,6 +735,41 @@ def _first_log_line(path: Path, needle: str) -> tuple[float, int] | None:
     return None
 
 
+# Claims whose COMMIT reply the lost_replies scenario cuts, and how it knows one: the claim
+# is the one statement that counts claims per tenant.
+LOST_CLAIM_REPLIES = 12
+CLAIM_TEXT = b"INSERT INTO enrichq.tenant_served"
+
+
+def lost_replies(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outcome:
+    """Every process talks to the server through a proxy that, LOST_CLAIM_REPLIES times,
+    drops the reply to a claim's COMMIT: the server committed the leases, the worker sees
+    its connection die. Each worker must give back the rows it never heard of, with the
+    attempt the claim counted, and claim them again, instead of leaving them leased until
+    their lease expires."""
+    with prepared(db_url, "claim COMMIT replies lost", tickets) as run:
+        engine, out = run.engine, run.out
+        cutter = CommitCutter(target_of(db_url), CLAIM_TEXT, times=LOST_CLAIM_REPLIES)
+        with cutter, run.fleet(via(cutter, db_url), logs) as f:
+            f.start_sweeper()
+            drained(engine, f)
+        out.faults = cutter.cut
+        given_back, lease_expired, retried = q(
+            engine,
+            "SELECT (SELECT coalesce(sum(CAST(counts->>'given_back' AS int)), 0)"
+            "        FROM enrichq.runs WHERE component = 'worker'),"
+            "       (SELECT count(*) FROM enrichq.queue WHERE starts_with(last_error, :expired)),"
+            "       (SELECT count(*) FROM enrichq.queue WHERE state = 'done' AND attempts > 1)",
+            expired=LEASE_EXPIRED_ERROR,
+        )[0]
+        out.notes = (
+            f"{cutter.cut} claim replies lost; rows given back: {given_back}; "
+            f"rows that waited for their lease to expire: {lease_expired}; "
+            f"done with more than one attempt: {retried}"
+        )
+        return check(engine, out)
+
+
 def failover(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outcome:
     """Workers and a sweeper on a multi-host URL (primary, standby;
     target_session_attrs=read-write). Mid-run, replication stalls for a second (its
@@ -804,6 +841,7 @@ SCENARIOS: dict[str, Callable[[str, Path, int, random.Random], Outcome]] = {
     "poison": poison,
     "bad_data": bad_data,
     "partition": partition,
+    "lost_replies": lost_replies,
     "failover": failover,
 }
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,11 @@ def test_scenario_keeps_the_promise(name: str, db_url: str, tmp_path: Path) -> N
         # its running handlers were given up by the lease watch; nothing late landed
         assert " running given up after " in outcome.notes, outcome.notes
         assert outcome.notes.endswith("late writes accepted: 0"), outcome.notes
+    elif name == "lost_replies":
+        # the rows of the claims whose reply was lost came back through the give-back
+        given_back = re.search(r"rows given back: (\d+)", outcome.notes)
+        assert given_back is not None, outcome.notes
+        assert int(given_back.group(1)) > 0, outcome.notes
     elif name == "failover":
         # every process reconnected to the new primary by itself
         assert outcome.notes.endswith("processes that exited: 0"), outcome.notes
