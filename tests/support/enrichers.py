@@ -8,7 +8,14 @@ import zlib
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 
-from enrichq_service.enrich import EnrichContext, Enrichment, Order, Ticket, warehouse_lookup
+from enrichq_service.enrich import (
+    EnrichContext,
+    Enrichment,
+    Order,
+    Ticket,
+    warehouse_lookup,
+    warehouse_lookup_batch,
+)
 from enrichq_service.errors import Deferral, PermanentError, TransientError
 
 
@@ -220,6 +227,15 @@ def noop_batch(tickets: Sequence[Ticket], context: EnrichContext) -> Mapping[str
     """No lookup at all, a batch at a time: what the queue and worker runtime cost."""
     empty = Enrichment(())
     return {t.id: empty for t in tickets}
+
+
+def sleepy_batch(
+    tickets: Sequence[Ticket], context: EnrichContext
+) -> Mapping[str, Enrichment | BaseException]:
+    """The built-in batch lookup behind a slow warehouse: each call first waits
+    ENRICHQ_TEST_SLOW_SECONDS (default 0.2), its tickets' leases held meanwhile."""
+    time.sleep(float(os.environ.get("ENRICHQ_TEST_SLOW_SECONDS", "0.2")))
+    return warehouse_lookup_batch(tickets, context)
 
 
 def batch_outcomes(
