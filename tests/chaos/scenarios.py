@@ -341,10 +341,11 @@ def check(engine: sa.Engine, outcome: Outcome, *, poison: tuple[str, ...] = ()) 
 # -- the scenarios
 
 
-# The built-in batch lookup, slowed so the fleet does about 50 tickets a second: the work
-# outlasts the kills (one per 30 tickets, 0.75 s apart on average), and each kill finds
-# lookups running. Unslowed, 3 workers finish 2,000 tickets in 3 s, before the 4th kill.
-BUSY_FOR_KILLS = {
+# The built-in batch lookup, slowed so the fleet does about 50 tickets a second, for the
+# scenarios that inject faults for as long as work remains: the work outlasts the faults
+# (the kills: one per 30 tickets, 0.75 s apart on average), and each finds lookups running.
+# Unslowed, 3 workers finish 2,000 tickets in 3 s, before the 4th kill.
+BUSY = {
     "batch_enricher": "tests.support.enrichers:sleepy_batch",
     "ENRICHQ_TEST_SLOW_SECONDS": 0.6,
     "lookup_batch_size": 5,
@@ -387,7 +388,7 @@ def _kill_workers(
 ) -> Outcome:
     with prepared(db_url, name, tickets) as run:
         engine, out = run.engine, run.out
-        with run.fleet(fleet_url, logs, **{**BUSY_FOR_KILLS, **settings}) as f:
+        with run.fleet(fleet_url, logs, **{**BUSY, **settings}) as f:
             f.start_sweeper()
             # a kill every 0.3-1.2 s, one per 30 tickets (at least 8), while work remains
             kills = max(8, tickets // 30)
@@ -426,7 +427,7 @@ def terminate_storm(db_url: str, logs: Path, tickets: int, rng: random.Random) -
     with prepared(db_url, "pg_terminate_backend storm", tickets) as run:
         engine, out = run.engine, run.out
         db = sa.engine.make_url(db_url).database
-        with run.fleet(db_url, logs) as f:
+        with run.fleet(db_url, logs, **BUSY) as f:
             f.start_sweeper()
             last = time.monotonic()
             while not quiet(engine) and time.monotonic() - run.started < 240:
