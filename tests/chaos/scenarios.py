@@ -139,6 +139,7 @@ class Fleet:
         self.logs = logs
         self.workers: list[subprocess.Popen[bytes]] = []
         self.sweeper: subprocess.Popen[bytes] | None = None
+        self.revived = 0  # workers started again after they died on their own
         self._n = 0
         for _ in range(workers):
             self.workers.append(self.start_worker())
@@ -151,18 +152,16 @@ class Fleet:
         self._n += 1
         self.sweeper = spawn(["sweep"], self.env, log=self.logs / f"sweep-{self._n}.log")
 
-    def revive(self) -> int:
-        """Restart, as a supervisor would, workers that died on their own (a poison ticket)
-        and a sweeper that exited (one that starts while the database is down says so and
-        exits non-zero); how many workers."""
-        revived = 0
+    def revive(self) -> None:
+        """Restart, as a supervisor would, workers that died on their own (a poison ticket;
+        counted in `revived`) and a sweeper that exited (one that starts while the database
+        is down says so and exits non-zero)."""
         for i, w in enumerate(self.workers):
             if w.poll() is not None:
                 self.workers[i] = self.start_worker()
-                revived += 1
+                self.revived += 1
         if self.sweeper is not None and self.sweeper.poll() is not None:
             self.start_sweeper()
-        return revived
 
     def stop_all(self) -> None:
         for p in [*self.workers, self.sweeper]:
@@ -478,12 +477,8 @@ def poison(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Outcome
             db_url, logs, enricher="tests.support.enrichers:crash_on_poison", max_attempts=3
         ) as f:
             f.start_sweeper()
-
-            def settled() -> bool:
-                out.faults += f.revive()
-                return quiet(engine)
-
-            wait_for(settled, timeout=240, interval=0.25, what="the queue to drain")
+            drained(engine, f)
+            out.faults = f.revived  # each time the poison took its worker down
         row = q(
             engine, "SELECT state, dead_reason, attempts FROM enrichq.queue WHERE key = 'POISON'"
         )

@@ -26,8 +26,7 @@ def scalar(engine: sa.Engine, sql: str, **params: Any) -> Any:
 
 
 def test_drain_enriches_every_ticket_with_its_orders(db_url: str, db_engine: sa.Engine) -> None:
-    keys = seeded(db_engine, 120, enqueued=False)
-    enqueue(db_engine, keys, tenant="acme")
+    seeded(db_engine, 120, tenant="acme")
     result = Worker(make_settings(db_url, concurrency=4), db_engine).run(drain=True)
     assert result.stop_reason == "no_work"
     assert result.counts["done"] == 120
@@ -73,8 +72,7 @@ def test_a_run_whose_start_could_not_be_logged_is_logged_when_it_ends(
                     f" FOR EACH ROW EXECUTE FUNCTION refuse_first_{op}()"
                 )
             )
-    keys = seeded(db_engine, 5, enqueued=False)
-    enqueue(db_engine, keys, tenant="acme")
+    seeded(db_engine, 5, tenant="acme")
     before = scalar(db_engine, "SELECT now()")
     result = Worker(make_settings(db_url), db_engine).run(drain=True)
     assert result.counts["done"] == 5
@@ -152,14 +150,13 @@ def test_permanent_error_fails_and_deferral_keeps_the_attempt(
 
 
 def test_unexpected_exceptions_are_transient(db_url: str, db_engine: sa.Engine) -> None:
-    keys = seeded(db_engine, 1, enqueued=False)
-    enqueue(db_engine, keys, tenant="acme")
+    seeded(db_engine, 1, tenant="acme")
     settings = make_settings(db_url, enricher="tests.support.enrichers:flaky")
     result = Worker(settings, db_engine).run(drain=True)
     assert result.counts["retry"] == 1
-    state, attempts, error = q(db_engine, "SELECT state, attempts, last_error FROM enrichq.queue")[
-        0
-    ]
+    [(state, attempts, error)] = q(
+        db_engine, "SELECT state, attempts, last_error FROM enrichq.queue"
+    )
     assert (state, attempts) == ("queued", 1)
     assert error == "ValueError: warehouse hiccup"
 
@@ -187,8 +184,7 @@ def test_unknown_kind_and_malformed_payload_fail_with_the_reason(
 
 
 def test_budget_exhausted_defers_with_attempts_unchanged(db_url: str, db_engine: sa.Engine) -> None:
-    keys = seeded(db_engine, 12, enqueued=False)
-    enqueue(db_engine, keys, tenant="acme")
+    seeded(db_engine, 12, tenant="acme")
     settings = make_settings(
         db_url, enricher="tests.support.enrichers:tagged", daily_bytes_budget=2500, concurrency=1
     )
@@ -222,8 +218,7 @@ def test_enricher_plug_in_path_errors_are_settings_errors() -> None:
 def test_attempt_past_its_deadline_is_abandoned_and_retried(
     db_url: str, db_engine: sa.Engine, monkeypatch: Any
 ) -> None:
-    keys = seeded(db_engine, 1, enqueued=False)
-    enqueue(db_engine, keys, tenant="acme")
+    seeded(db_engine, 1, tenant="acme")
     monkeypatch.setenv("ENRICHQ_TEST_SLOW_SECONDS", "30")
     settings = make_settings(
         db_url,
@@ -233,9 +228,9 @@ def test_attempt_past_its_deadline_is_abandoned_and_retried(
     )
     result = Worker(settings, db_engine).run(drain=True)
     assert result.counts["retry"] == 1
-    state, attempts, error = q(db_engine, "SELECT state, attempts, last_error FROM enrichq.queue")[
-        0
-    ]
+    [(state, attempts, error)] = q(
+        db_engine, "SELECT state, attempts, last_error FROM enrichq.queue"
+    )
     assert (state, attempts) == ("queued", 1)
     assert "deadline" in error
     assert scalar(db_engine, "SELECT count(*) FROM enrichq.ticket_orders") == 0

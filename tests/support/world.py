@@ -19,12 +19,12 @@ def add_tickets(
     conn: sa.Connection, keys: Sequence[str], *, email: str | None = NOBODY, tenant: str = "acme"
 ) -> None:
     """Tickets `keys` in the help-desk mirror, requested by `email`."""
-    for key in keys:
+    if keys:
         conn.execute(
             sa.text(
                 "INSERT INTO helpdesk.tickets (id, requester_email, tenant) VALUES (:k, :e, :t)"
             ),
-            {"k": key, "e": email, "t": tenant},
+            [{"k": key, "e": email, "t": tenant} for key in keys],
         )
 
 
@@ -56,14 +56,16 @@ def seeded(
     *,
     extra: Sequence[str] = (),
     enqueued: bool = True,
+    tenant: str | None = None,
     **settings: Any,
 ) -> list[str]:
     """The seeded world with `tickets` tickets and the `extra` ones (requested by NOBODY),
-    every one of them enqueued unless told otherwise; the ticket ids, in order."""
+    every one of them enqueued (for `tenant`) unless told otherwise; the ticket ids, in
+    order."""
     with engine.begin() as conn:
         seed.seed_world(conn, tickets=tickets)
         add_tickets(conn, extra)
         keys = ticket_ids(conn)
         if enqueued:
-            enqueue(conn, keys, **settings)
+            enqueue(conn, keys, tenant=tenant, **settings)
     return keys
