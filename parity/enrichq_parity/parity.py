@@ -71,6 +71,12 @@ NO_ORDERS = (
     " CAST(NULL AS timestamptz) AS placed_at LIMIT 0)"
 )
 NO_CUSTOMERS = "(SELECT CAST(NULL AS text) AS customer_id, CAST(NULL AS text) AS email LIMIT 0)"
+# Id columns parity compares as text, and the types whose text form is the id: text and
+# varchar compare as they are (their index serves a text comparison); the others through
+# CAST(... AS text).
+ID_COLUMNS = ("ticket_id", "order_id")
+TEXT_ID_TYPES = frozenset({"text", "varchar"})
+COMPARABLE_ID_TYPES = TEXT_ID_TYPES | {"bpchar", "name", "citext", "int2", "int4", "int8", "uuid"}
 # The CSV export's rows stream from the server this many at a time (a server-side cursor).
 EXPORT_BATCH_ROWS = 2000
 
@@ -509,15 +515,21 @@ def _check_relations(conn: sa.Connection, settings: Settings) -> dict[str, str]:
         raise ParityInputError(
             f"tickets table {settings.tickets_table} does not exist (ENRICHQ_TICKETS_TABLE)"
         )
-    # The day query looks each ticket's legacy rows up by ticket_id: without an index that is
-    # a scan of the whole table per ticket, which would never finish on a real table.
+    legacy_types = _id_types(conn, quoted["legacy"], f"legacy table {settings.legacy_table}")
+    # The day query looks each ticket's legacy rows up by ticket_id as text: without an index
+    # serving that, it is a scan of the whole table per ticket, which would never finish.
+    direct = legacy_types.get("ticket_id") in TEXT_ID_TYPES
     indexed = conn.execute(
-        _queries()("parity_legacy_indexed"), {"name": quoted["legacy"]}
+        _queries()("parity_legacy_indexed"), {"name": quoted["legacy"], "direct": direct}
     ).scalar_one()
     if not indexed:
         raise ParityInputError(
             f"legacy table {settings.legacy_table} has no index on ticket_id, which parity "
             f"reads it by: CREATE INDEX CONCURRENTLY ON {quoted['legacy']} (ticket_id)"
+            if direct
+            else f"legacy table {settings.legacy_table} has no index on its ticket_id "
+            f"({legacy_types.get('ticket_id')}) as text, which parity reads it by: CREATE "
+            f"INDEX CONCURRENTLY ON {quoted['legacy']} ((CAST(ticket_id AS text)))"
         )
     for table in SHADOW_TABLES:
         if not relation_exists(conn, table):
@@ -526,9 +538,28 @@ def _check_relations(conn: sa.Connection, settings: Settings) -> dict[str, str]:
             )
     if not relation_exists(conn, quoted["orders"]):
         quoted["orders"] = NO_ORDERS
+    else:
+        _id_types(conn, quoted["orders"], f"orders table {settings.orders_table}")
     if not relation_exists(conn, quoted["customers"]):
         quoted["customers"] = NO_CUSTOMERS
     return quoted
+
+
+def _id_types(conn: sa.Connection, relation: str, what: str) -> dict[str, str]:
+    """The types of the relation's ticket_id and order_id columns (those it has); a type
+    whose values cannot be compared with ids as text is bad input."""
+    rows = conn.execute(
+        _queries()("parity_column_types"),
+        {"name": relation, "columns": list(ID_COLUMNS)},
+    ).all()
+    types = {row.column_name: row.type_name for row in rows}
+    for column, type_name in sorted(types.items()):
+        if type_name not in COMPARABLE_ID_TYPES:
+            raise ParityInputError(
+                f"{what}: {column} is {type_name}, which parity cannot compare with ids as "
+                "text (text, varchar, char, integer or uuid columns can be)"
+            )
+    return types
 
 
 def _abandon(engine: sa.Engine, run_id: int, log_id: int, exc: BaseException) -> None:

@@ -33,19 +33,37 @@ SELECT pg_is_in_recovery() AS standby,
        END AS lag_seconds
 
 -- name: parity_legacy_indexed
--- Whether the table :name can be probed by ticket: it is not a plain table (a view, whose
--- base tables may be indexed), or it has a valid, non-partial index led by ticket_id.
+-- Whether the table :name can be probed by ticket id compared as text: it is not a plain
+-- table (a view, whose base tables may be indexed), or it has a valid, non-partial index led
+-- by CAST(ticket_id AS text), or (when :direct, a text or varchar ticket_id, whose index
+-- serves text comparisons as it is) led by ticket_id itself.
 SELECT c.relkind NOT IN ('r', 'p', 'm') OR EXISTS (
     SELECT 1
     FROM pg_index AS i
-    JOIN pg_attribute AS a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
+    LEFT JOIN pg_attribute AS a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
     WHERE i.indrelid = c.oid
       AND i.indisvalid
       AND i.indpred IS NULL
-      AND a.attname = 'ticket_id'
+      AND (
+          (CAST(:direct AS boolean) AND a.attname = 'ticket_id')
+          OR (i.indkey[0] = 0 AND pg_get_indexdef(i.indexrelid, 1, false) = '((ticket_id)::text)')
+      )
 ) AS indexed
 FROM pg_class AS c
 WHERE c.oid = to_regclass(:name)
+
+-- name: parity_column_types
+-- The type (pg_type.typname, the base type of a domain) of each column :columns of the
+-- relation :name that exists.
+SELECT a.attname AS column_name,
+       CASE WHEN t.typtype = 'd' THEN b.typname ELSE t.typname END AS type_name
+FROM pg_attribute AS a
+JOIN pg_type AS t ON t.oid = a.atttypid
+LEFT JOIN pg_type AS b ON b.oid = t.typbasetype
+WHERE a.attrelid = to_regclass(:name)
+  AND a.attnum > 0
+  AND NOT a.attisdropped
+  AND a.attname = ANY (CAST(:columns AS text[]))
 
 -- name: parity_read_only
 -- Parity never writes where it reads (the read side may be a replica).
@@ -105,19 +123,22 @@ summary AS MATERIALIZED (
     -- they are equal (so only a boolean and a count reach the grouping, which hashes 20-odd
     -- tenants instead of sorting the day). Equal sorted arrays are equal sets; a legacy
     -- order written twice makes them differ here, and the differing tickets below compare
-    -- as sets and count such a ticket exact after all. OFFSET 0 builds each array once.
+    -- as sets and count such a ticket exact after all. Ids compare as text whatever the
+    -- legacy columns' types (as the worker and the consumer view compare them), sorted
+    -- bytewise on both sides. OFFSET 0 builds each array once.
     LEFT JOIN LATERAL (
         SELECT x.legacy_ids = x.shadow_ids AS same, cardinality(x.shadow_ids) AS shadow_orders
         FROM (
             SELECT ARRAY(
-                       SELECT l.order_id FROM {legacy} AS l
-                       WHERE l.ticket_id = d.ticket_id AND l.order_id IS NOT NULL
-                       ORDER BY l.order_id
+                       SELECT CAST(l.order_id AS text) FROM {legacy} AS l
+                       WHERE CAST(l.ticket_id AS text) = d.ticket_id
+                         AND l.order_id IS NOT NULL
+                       ORDER BY CAST(l.order_id AS text) COLLATE "C"
                    ) AS legacy_ids,
                    ARRAY(
                        SELECT s.order_id FROM enrichq.ticket_orders AS s
                        WHERE s.ticket_id = d.ticket_id
-                       ORDER BY s.order_id
+                       ORDER BY s.order_id COLLATE "C"
                    ) AS shadow_ids
             OFFSET 0
         ) AS x
@@ -140,7 +161,8 @@ differing AS MATERIALIZED (
                SELECT unnest(x.shadow_ids) EXCEPT SELECT unnest(x.legacy_ids) ORDER BY 1
            ) AS shadow_only_ids,
            (
-               SELECT max(l.looked_up_at) FROM {legacy} AS l WHERE l.ticket_id = x.ticket_id
+               SELECT max(l.looked_up_at) FROM {legacy} AS l
+               WHERE CAST(l.ticket_id AS text) = x.ticket_id
            ) AS legacy_looked_up_at,
            (
                SELECT e.enriched_at FROM enrichq.ticket_enrichments AS e
@@ -152,8 +174,8 @@ differing AS MATERIALIZED (
                u.created_at,
                u.requester_email,
                ARRAY(
-                   SELECT DISTINCT l.order_id FROM {legacy} AS l
-                   WHERE l.ticket_id = u.ticket_id AND l.order_id IS NOT NULL
+                   SELECT DISTINCT CAST(l.order_id AS text) FROM {legacy} AS l
+                   WHERE CAST(l.ticket_id AS text) = u.ticket_id AND l.order_id IS NOT NULL
                ) AS legacy_ids,
                ARRAY(
                    SELECT o.order_id FROM enrichq.ticket_orders AS o
@@ -196,7 +218,7 @@ checked AS MATERIALIZED (
                 JOIN {customers} AS k ON k.customer_id = w.customer_id
                 JOIN enrichq.ticket_orders AS s
                   ON s.ticket_id = d.ticket_id AND s.order_id = u.order_id
-                WHERE w.order_id = u.order_id
+                WHERE CAST(w.order_id AS text) = u.order_id
                   AND lower(k.email) = lower(d.requester_email)
                   AND w.placed_at <= s.looked_up_at
                 ORDER BY w.placed_at
