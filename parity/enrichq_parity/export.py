@@ -1,14 +1,16 @@
 """The CSV export of a parity run: one row per differing ticket, written as it streams in.
 
-Columns are fixed (``COLUMNS``); order ids are separated by spaces, the rules that accept a
-ticket too. The class, the fault group and the accepting rules are the run's own, so the
-CSV, the JSON and the HTML report cannot disagree.
+Columns are fixed (``COLUMNS``); a cell of order ids is a JSON array (an id may hold a space
+or a comma), the rules that accept a ticket are numbers separated by spaces. A cell that a
+spreadsheet would run as a formula is neutralised. The class, the fault group and the
+accepting rules are the run's own, so the CSV, the JSON and the HTML report cannot disagree.
 """
 
 from __future__ import annotations
 
 import csv
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import IO
 
@@ -32,6 +34,10 @@ COLUMNS = (
     "enriched_at",
 )
 
+# What a spreadsheet reads as the start of a formula (OWASP, "CSV injection"): such a cell
+# gets a leading single quote, which makes it text.
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
 
 def write_header(handle: IO[str]) -> None:
     """The header line."""
@@ -50,7 +56,7 @@ def writer(handle: IO[str]) -> Callable[[Mismatch], None]:
 
 def row(m: Mismatch) -> tuple[str, ...]:
     """One mismatch as the CSV's cells."""
-    return (
+    cells = (
         m.ticket_id,
         m.tenant,
         _when(m.created_at),
@@ -60,13 +66,24 @@ def row(m: Mismatch) -> tuple[str, ...]:
         str(m.legacy_orders),
         str(m.matched_orders),
         str(m.differing_orders),
-        " ".join(m.missing),
-        " ".join(m.extra),
-        " ".join(m.drift),
-        " ".join(m.unverified),
+        _ids(m.missing),
+        _ids(m.extra),
+        _ids(m.drift),
+        _ids(m.unverified),
         _when(m.legacy_looked_up_at),
         _when(m.enriched_at),
     )
+    return tuple(neutralised(cell) for cell in cells)
+
+
+def neutralised(cell: str) -> str:
+    """The cell, with a leading single quote if a spreadsheet would take it for a formula."""
+    return "'" + cell if cell.startswith(FORMULA_STARTS) else cell
+
+
+def _ids(ids: Sequence[str]) -> str:
+    """Order ids as one unambiguous cell: a JSON array, empty when there are none."""
+    return json.dumps(list(ids), ensure_ascii=False) if ids else ""
 
 
 def _when(value: datetime | None) -> str:

@@ -14,6 +14,8 @@ from tests.support.parity_world import (
     DAY1,
     NOW,
     SINCE,
+    add_ticket,
+    create_sources,
     seed,
     seed_every_class,
     seed_legacy_faults_only,
@@ -219,20 +221,46 @@ def test_the_export_has_every_differing_ticket(
         "legacy_orders": "2",
         "matched_orders": "1",
         "differing_orders": "2",
-        "missing": "Q2",
-        "extra": "Q9",
+        "missing": '["Q2"]',
+        "extra": '["Q9"]',
         "drift": "",
         "unverified": "",
         "legacy_looked_up_at": "2024-03-05T10:00:00+00:00",
         "enriched_at": "2024-03-05T10:30:00+00:00",
     }
     assert (by_id["T-08-extra"]["fault"], by_id["T-08-extra"]["accepted_by"]) == ("legacy", "1")
-    assert (by_id["T-05-drift"]["fault"], by_id["T-05-drift"]["drift"]) == ("explained", "D2")
+    assert (by_id["T-05-drift"]["fault"], by_id["T-05-drift"]["drift"]) == ("explained", '["D2"]')
     assert by_id["T-04-lost"]["enriched_at"] == ""
     # the export is the run's own: the same classes as the report
     counts = {c.value: sum(1 for r in rows if r["class"] == c.value) for c in TicketClass}
     assert counts == {c.value: report.total.count(c) for c in TicketClass} | {"exact": 0}
     assert [p.name for p in tmp_path.iterdir()] == ["mismatches.csv"]
+
+
+HOSTILE = ('=HYPERLINK("http://x")', "+1", "-2", "@SUM(A1)", "\tTAB", "\rCR", "A B", "C,D")
+
+
+def test_the_export_neutralises_formulas_and_keeps_ids_apart(
+    db_engine: sa.Engine, db_url: str, tmp_path: Path
+) -> None:
+    """Ids and tenants that a spreadsheet would run as formulas come out as text, and ids
+    holding a space or a comma read back one by one."""
+
+    def build(conn: sa.Connection) -> None:
+        create_sources(conn)
+        add_ticket(conn, "=1+1", created_at=DAY1, tenant="@acme", legacy=list(HOSTILE))
+
+    seed(db_engine, build)
+    path = tmp_path / "m.csv"
+    run_parity(
+        db_engine, db_engine, parity_settings(db_url),
+        since=SINCE, until=None, now=NOW, csv_path=path,
+    )  # fmt: skip
+    [row] = read_csv(path)
+    assert (row["ticket_id"], row["tenant"], row["class"]) == ("'=1+1", "'@acme", "shadow_missing")
+    assert sorted(json.loads(row["missing"])) == sorted(HOSTILE)
+    for cell in row.values():
+        assert not cell.startswith(("=", "+", "-", "@", "\t", "\r"))
 
 
 def test_a_failed_run_leaves_no_export(
