@@ -15,6 +15,7 @@ from enrichq_parity.model import AcceptFile, Exclusion, Fault, ParityReport, pct
 from enrichq_parity.parity import ParityInputError, ProgressCallback, engines, run_parity
 from enrichq_schema.process import Exit, say
 from enrichq_schema.settings import Settings
+from enrichq_schema.text import utc_time
 
 
 def run_cli(
@@ -145,7 +146,7 @@ def print_summary(console: Any, report: ParityReport) -> None:
     t, bars, verdict = report.total, report.thresholds, report.verdict
     console.print(
         f"{_STATE_MARKUP[verdict.state]}  parity run #{report.run_id}  "
-        f"{report.since:%Y-%m-%d %H:%M} → {report.until:%Y-%m-%d %H:%M} UTC",
+        f"{utc_time(report.since)} → {utc_time(report.until)} UTC",
         highlight=False,
     )
     table = Table(show_header=False, box=None, pad_edge=False)

@@ -36,6 +36,7 @@ from enrichq_schema.identifiers import qualified, relation_exists, render
 from enrichq_schema.process import Exit
 from enrichq_schema.queries import Queries, load
 from enrichq_schema.tables import PUBLIC_SCHEMA
+from enrichq_schema.text import utc_time
 
 if TYPE_CHECKING:
     from enrichq_schema.settings import Settings
@@ -628,7 +629,7 @@ def _print_status(report: Status) -> None:
         table.add_row(
             _name(t.tenant),
             t.reads,
-            "—" if t.since is None else f"{t.since:%Y-%m-%d %H:%M:%S}",
+            utc_time(t.since, seconds=True),
             t.actor or "—",
             "—" if t.event_id is None else f"#{t.event_id}",
             "—" if t.parity_run_id is None else f"#{t.parity_run_id}",

@@ -38,6 +38,7 @@ from enrichq_parity.model import (
     pct,
     plural,
 )
+from enrichq_schema.text import utc_time
 
 MAX_CHIPS = 24
 """Order ids shown per diff cell; the JSON and CSV reports have them all."""
@@ -122,7 +123,7 @@ class _Format:
 
     @staticmethod
     def when(value: datetime | None) -> str:
-        return "—" if value is None else f"{value:%Y-%m-%d %H:%M}"
+        return utc_time(value)
 
     @staticmethod
     def class_label(value: TicketClass) -> str:
@@ -199,7 +200,7 @@ def _checklist(report: ParityReport, approvals: Sequence[Approval]) -> list[_Che
             "rule: add rules to the accept file and run parity again"
         )
     approved_detail = (
-        ", ".join(f"{a.approved_by} ({a.approved_at:%Y-%m-%d %H:%M})" for a in approvals)
+        ", ".join(f"{a.approved_by} ({utc_time(a.approved_at)} UTC)" for a in approvals)
         if approvals
         else f"not yet: enrichq parity approve {report.run_id} --by NAME"
     )
@@ -347,7 +348,7 @@ def _footer(report: ParityReport) -> list[tuple[str, str]]:
 
 
 def _plain(value: datetime | None) -> str:
-    return "—" if value is None else f"{value:%Y-%m-%d %H:%M:%S %Z}"
+    return "—" if value is None else f"{utc_time(value, seconds=True)} UTC"
 
 
 # -- the chart -------------------------------------------------------------------------------

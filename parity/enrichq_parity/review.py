@@ -23,6 +23,7 @@ from enrichq_schema.errors import EnrichqError
 from enrichq_schema.process import Exit, say
 from enrichq_schema.queries import Queries, load
 from enrichq_schema.tables import APPROVAL_NOTE_MAX_LENGTH, APPROVER_MAX_LENGTH
+from enrichq_schema.text import utc_time
 
 if TYPE_CHECKING:
     from enrichq_schema.settings import Settings
@@ -274,14 +275,11 @@ def approve_cli(settings: Settings, url: str, *, run_id: int, by: str, note: str
         engine.dispose()
     a = done.approval
     if done.changed:
-        print(
-            f"approved parity run #{run_id} by {a.approved_by}"
-            f" at {a.approved_at:%Y-%m-%d %H:%M} UTC"
-        )
+        print(f"approved parity run #{run_id} by {a.approved_by} at {utc_time(a.approved_at)} UTC")
     else:
         print(
             f"parity run #{run_id} was already approved by {a.approved_by} at "
-            f"{a.approved_at:%Y-%m-%d %H:%M} UTC; nothing changed"
+            f"{utc_time(a.approved_at)} UTC; nothing changed"
         )
     for line in done.notes:
         print(f"note: {line}")
@@ -339,7 +337,7 @@ def show_cli(
     print_summary(console, report)
     for a in approvals:
         console.print(
-            f"approved by {a.approved_by} at {a.approved_at:%Y-%m-%d %H:%M} UTC"
+            f"approved by {a.approved_by} at {utc_time(a.approved_at)} UTC"
             + (f": {a.note}" if a.note else ""),
             highlight=False,
             markup=False,
@@ -381,7 +379,7 @@ def _print_runs(rows: Sequence[RunRow]) -> None:
             rules += f" ({r.unused_rules} matched nothing)"
         table.add_row(
             f"#{r.id}",
-            "—" if r.finished_at is None else f"{r.finished_at:%Y-%m-%d %H:%M}",
+            utc_time(r.finished_at),
             f"{r.window_since:%m-%d} → {r.window_until:%m-%d}",
             _STATE_WORDS.get(r.state, r.state),
             pct(r.order_coverage),

@@ -83,7 +83,10 @@ def create_engine(
     parsed = normalize_url(url)
     postgres = parsed.get_backend_name() == "postgresql"
     transaction = pool_mode is PoolMode.TRANSACTION
-    settings: dict[str, str] = {}
+    # Every session reads and writes times in UTC, whatever the server's or the database's
+    # TimeZone: a time enrichq shows as UTC is UTC, and a date cut from a timestamptz is a
+    # UTC day.
+    settings: dict[str, str] = {"TimeZone": "UTC"}
     if statement_timeout_seconds is not None:
         settings["statement_timeout"] = str(int(statement_timeout_seconds * 1000))
     if idle_in_transaction_timeout_seconds is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import unicodedata
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -147,3 +148,11 @@ def checked_text(value: str, max_length: int, name: str, error: type[Exception])
     if (problem := text_problem(value, max_length)) is not None:
         raise error(f"{name}: {problem}")
     return value
+
+
+def utc_time(value: datetime | None, *, seconds: bool = False, none: str = "—") -> str:
+    """`value` as a UTC time, ``YYYY-MM-DD HH:MM`` (``:SS`` with `seconds`), whatever time
+    zone it carries (a session's TimeZone is the server's choice); `none` when it is None."""
+    if value is None:
+        return none
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S" if seconds else "%Y-%m-%d %H:%M")
