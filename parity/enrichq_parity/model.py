@@ -88,7 +88,8 @@ CLASS_MEANINGS: Mapping[TicketClass, str] = {
         "customer's, or placed after enrichq's lookup."
     ),
     TicketClass.LEGACY_MISSING: (
-        "Enrichq found orders the warehouse confirms; legacy wrote none for the ticket."
+        "Enrichq found orders the warehouse confirms, placed before the legacy lookup; "
+        "legacy wrote none for the ticket."
     ),
     TicketClass.EXTRA_ONLY: (
         "Every legacy order is there, plus orders legacy lacks that the warehouse confirms."

@@ -177,6 +177,35 @@ def test_shadow_only_orders_are_verified_against_the_warehouse(
     assert t.extra_orders + t.drift_orders + t.unverified_orders == 1
 
 
+@pytest.mark.parametrize(
+    ("placed", "expected"),
+    [
+        # placed after the legacy lookup that found nothing: drift, not the legacy's fault
+        ({"N1": DAY1 + timedelta(hours=1, minutes=10)}, {"drift_only": 1}),
+        # placed before it: the legacy flow missed it
+        ({"N1": DAY1 - timedelta(days=1)}, {"legacy_missing": 1}),
+    ],
+    ids=["after the legacy lookup", "before it"],
+)
+def test_drift_after_a_legacy_lookup_that_found_nothing_is_drift(
+    db_engine: sa.Engine, db_url: str, placed: dict[str, datetime], expected: dict[str, int]
+) -> None:
+    """The legacy flow looked the ticket up and found no order (a row with no order id); the
+    order enrichq found was placed after that lookup."""
+
+    def build(conn: sa.Connection) -> None:
+        create_sources(conn)
+        add_ticket(conn, "T-1", created_at=DAY1, shadow=["N1"], placed_at=placed)
+        conn.execute(
+            sa.text("INSERT INTO legacy.ticket_orders VALUES ('T-1', NULL, :at)"),
+            {"at": DAY1 + timedelta(hours=1)},
+        )
+
+    seed(db_engine, build)
+    t = run(db_engine, parity_settings(db_url)).total
+    assert {c.value: t.count(c) for c in TicketClass if t.count(c)} == expected
+
+
 def test_a_legacy_less_ticket_with_an_unconfirmed_order_is_a_shadow_fault(
     db_engine: sa.Engine, db_url: str
 ) -> None:

@@ -250,7 +250,9 @@ classified AS MATERIALIZED (
                    THEN 'shadow_missing'
                WHEN cardinality(missing_ids) > 0 THEN 'partial'
                WHEN cardinality(unverified_ids) > 0 THEN 'unverified'
-               WHEN legacy_orders = 0 AND shadow_orders > 0 THEN 'legacy_missing'
+               -- the legacy flow found none of the orders that existed when it looked;
+               -- orders placed after its lookup alone are drift (below), not its fault
+               WHEN legacy_orders = 0 AND cardinality(extra_ids) > 0 THEN 'legacy_missing'
                WHEN cardinality(extra_ids) > 0 THEN 'extra_only'
                WHEN cardinality(drift_ids) > 0 THEN 'drift_only'
                ELSE 'exact'
