@@ -121,7 +121,14 @@ def approve(
             "approved"
         )
     inserted = conn.execute(
-        q("review_approve"), {"run_id": run_id, "approved_by": who, "note": text, "now": now}
+        q("review_approve"),
+        {
+            "run_id": run_id,
+            "approved_by": who,
+            "reviewer_key": who.casefold(),
+            "note": text,
+            "now": now,
+        },
     ).first()
     notes: list[str] = []
     if not verdict.ready:
@@ -134,7 +141,10 @@ def approve(
     if latest is not None and latest != run_id:
         notes.append(f"cutover judges the latest finished run, #{latest}, not this one")
     if inserted is None:
-        existing = next(a for a in approvals_of(conn, [run_id])[run_id] if a.approved_by == who)
+        row = conn.execute(
+            q("review_approval_by"), {"run_id": run_id, "reviewer_key": who.casefold()}
+        ).one()
+        existing = Approval(run_id, row.approved_by, row.approved_at, row.note)
         return Approved(existing, False, tuple(notes))
     return Approved(Approval(run_id, who, inserted.approved_at, text), True, tuple(notes))
 

@@ -362,7 +362,10 @@ parity_approvals = sa.Table(
     sa.Column("approved_by", sa.Text, nullable=False),
     sa.Column("note", sa.Text),
     _at("approved_at", server_default=_now()),
-    sa.UniqueConstraint("parity_run_id", "approved_by"),
+    # one approval per reviewer and run, whatever the case of the name (--by alice, --by
+    # Alice): the name case-folded by Python, so the database's collation does not decide
+    sa.Column("reviewer_key", sa.Text, nullable=False),
+    sa.UniqueConstraint("parity_run_id", "reviewer_key"),
     sa.CheckConstraint(
         f"char_length(approved_by) BETWEEN 1 AND {APPROVER_MAX_LENGTH}", name="approver_length"
     ),

@@ -97,8 +97,8 @@ def add_run(
     for name in approved_by:
         conn.execute(
             sa.text(
-                "INSERT INTO enrichq.parity_approvals (parity_run_id, approved_by)"
-                " VALUES (:id, :by)"
+                "INSERT INTO enrichq.parity_approvals (parity_run_id, approved_by, reviewer_key)"
+                " VALUES (:id, :by, lower(:by))"
             ),
             {"id": run_id, "by": name},
         )

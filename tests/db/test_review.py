@@ -94,6 +94,20 @@ def test_approve_records_a_signature_once(
     assert got[999] == ()
 
 
+def test_a_reviewer_is_one_reviewer_whatever_the_case_of_the_name(
+    world: tuple[sa.Engine, Settings], capsys: pytest.CaptureFixture[str]
+) -> None:
+    engine, settings = world
+    run_id = parity(engine, settings, EVERY_LEGACY_FAULT)
+    assert main(["parity", "approve", str(run_id), "--by", "alice"]) == 0
+    capsys.readouterr()
+    assert main(["parity", "approve", str(run_id), "--by", "Alice"]) == 0
+    assert "was already approved by alice" in capsys.readouterr().out
+    assert main(["parity", "approve", str(run_id), "--by", "ÉLODIE"]) == 0
+    assert main(["parity", "approve", str(run_id), "--by", "élodie"]) == 0
+    assert [a[1] for a in approvals(engine)] == ["alice", "ÉLODIE"]
+
+
 def test_approving_an_unknown_run_is_exit_2(
     world: tuple[sa.Engine, Settings], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -9,11 +9,21 @@ WHERE id = :id
 FOR SHARE
 
 -- name: review_approve
--- Records :approved_by's approval of run :run_id; no row when they approved it already.
-INSERT INTO enrichq.parity_approvals (parity_run_id, approved_by, note, approved_at)
-VALUES (:run_id, :approved_by, :note, coalesce(CAST(:now AS timestamptz), now()))
-ON CONFLICT (parity_run_id, approved_by) DO NOTHING
+-- Records :approved_by's approval of run :run_id; no row when they approved it already
+-- (under that name in any case: :reviewer_key is the name case-folded).
+INSERT INTO enrichq.parity_approvals (
+    parity_run_id, approved_by, reviewer_key, note, approved_at
+) VALUES (
+    :run_id, :approved_by, :reviewer_key, :note, coalesce(CAST(:now AS timestamptz), now())
+)
+ON CONFLICT (parity_run_id, reviewer_key) DO NOTHING
 RETURNING id, approved_at
+
+-- name: review_approval_by
+-- The approval of run :run_id by the reviewer whose case-folded name is :reviewer_key.
+SELECT approved_by, note, approved_at
+FROM enrichq.parity_approvals
+WHERE parity_run_id = :run_id AND reviewer_key = :reviewer_key
 
 -- name: review_approvals
 -- Every approval of the runs :run_ids, oldest first.
