@@ -20,8 +20,10 @@ contract).
 from __future__ import annotations
 
 import getpass
+import random
 import sys
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -44,7 +46,11 @@ if TYPE_CHECKING:
 VIEW = f"{PUBLIC_SCHEMA}.ticket_orders"
 STAGED_TENANTS = f"{PUBLIC_SCHEMA}.cutover_tenants"
 SHADOW_TABLE = "enrichq.ticket_orders"
-LOCK_TIMEOUT = "5s"
+# A swap of the view waits for its readers this long per try, and readers arriving meanwhile
+# queue behind it that long at most; then it lets them go and tries again (`repoint_waiting`).
+LOCK_TIMEOUT = "200ms"
+# Tries go on this long by default (`enrichq cutover --wait`).
+WAIT_SECONDS_DEFAULT = 60.0
 TENANT_MAX_LENGTH = 200
 LOCK_NOT_AVAILABLE = "55P03"
 
@@ -286,6 +292,46 @@ def repoint(
         run_id,
         _moved(action, step, settings=settings, run=run, at=at, events=events, actor=actor),
     )
+
+
+def repoint_waiting(
+    engine: sa.Engine,
+    settings: Settings,
+    *,
+    action: Action,
+    tenants: Sequence[str] | None,
+    actor: str,
+    wait_seconds: float = WAIT_SECONDS_DEFAULT,
+    on_retry: Callable[[int], None] | None = None,
+    rng: random.Random | None = None,
+) -> CutoverResult:
+    """`repoint` in a transaction of its own, tried again while a reader holds the view.
+
+    Each try waits LOCK_TIMEOUT for the view's lock, so a reader that arrives while the swap
+    waits is held up that long at most; between tries (a jittered, growing pause, up to a
+    second) readers run freely. After `wait_seconds` the lock error is raised.
+    `on_retry(tries)` is called before each pause (to tell an operator why it waits).
+    """
+    rng = rng or random.Random()  # noqa: S311  # jitter, not cryptography
+    deadline = time.monotonic() + wait_seconds
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            with engine.begin() as conn:
+                return repoint(conn, settings, action=action, tenants=tenants, actor=actor)
+        except sa.exc.OperationalError as exc:
+            if not lock_not_available(exc) or time.monotonic() >= deadline:
+                raise
+        if on_retry is not None:
+            on_retry(tries)
+        pause = min(1.0, 0.05 * 2 ** min(tries, 5)) * (0.5 + rng.random() / 2)
+        time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
+
+
+def lock_not_available(exc: sa.exc.OperationalError) -> bool:
+    """Whether the statement gave up waiting for a lock (its lock_timeout passed)."""
+    return getattr(exc.orig, "sqlstate", None) == LOCK_NOT_AVAILABLE
 
 
 def _apply(
@@ -563,6 +609,7 @@ def run_cli(
     tenants: Sequence[str] = (),
     show_status: bool = False,
     as_json: bool = False,
+    wait_seconds: float = WAIT_SECONDS_DEFAULT,
 ) -> int:
     """`enrichq cutover [--rollback] [--tenant T]... | --status`: 0 done (or nothing to do),
     1 refused, 2 bad input."""
@@ -592,16 +639,24 @@ def run_cli(
             else:
                 _print_status(report)
             return Exit.OK
-        with engine.begin() as conn:
-            result = repoint(conn, settings, action=action, tenants=chosen, actor=who)
+        result = repoint_waiting(
+            engine,
+            settings,
+            action=action,
+            tenants=chosen,
+            actor=who,
+            wait_seconds=wait_seconds,
+            on_retry=lambda tries: _waiting(action, tries),
+        )
     except (CutoverRefused, CutoverError) as exc:
         return say_failure(action.value, exc)
     except sa.exc.OperationalError as exc:
-        if getattr(exc.orig, "sqlstate", None) != LOCK_NOT_AVAILABLE:
+        if not lock_not_available(exc):
             raise
         print(
-            f"enrichq: {action.value}: {VIEW} is held by a long-running reader (waited "
-            f"{LOCK_TIMEOUT}); nothing changed, try again",
+            f"enrichq: {action.value}: {VIEW} is held by a long-running reader (tried for "
+            f"{wait_seconds:g} s, readers never held up longer than {LOCK_TIMEOUT}); nothing "
+            "changed: end that reader or try again with a longer --wait",
             file=sys.stderr,
         )
         return Exit.FAILED
@@ -609,6 +664,16 @@ def run_cli(
         engine.dispose()
     print(f"{action.value}: {result.message}")
     return Exit.OK
+
+
+def _waiting(action: Action, tries: int) -> None:
+    """Tell the operator, once and then every 10 tries, why the step has not happened yet."""
+    if tries == 1 or tries % 10 == 0:
+        print(
+            f"{action.value}: waiting for readers of {VIEW} to let the swap through "
+            f"(try {tries}); readers are held up {LOCK_TIMEOUT} at most per try",
+            file=sys.stderr,
+        )
 
 
 def _print_status(report: Status) -> None:

@@ -617,6 +617,15 @@ def parity_show(ctx: Context, run_id: int, json_path: Path | None, html_path: Pa
 )
 @click.option("--json", "as_json", is_flag=True, help="With --status: print JSON.")
 @click.option("--actor", default=None, help="Who does this (default: the OS user).")
+@click.option(
+    "--wait",
+    "wait_seconds",
+    type=click.FloatRange(min=0, max=3600),
+    default=60.0,
+    show_default=True,
+    help="Seconds to keep trying while readers hold the view (each try holds readers up "
+    "at most 200 ms).",
+)
 @pass_context
 def cutover(
     ctx: Context,
@@ -626,6 +635,7 @@ def cutover(
     show_status: bool,
     as_json: bool,
     actor: str | None,
+    wait_seconds: float,
 ) -> None:
     """Point consumers at the shadow table, after a passing, fresh and approved parity run."""
     if show_status and (rollback or tenants or actor is not None):
@@ -645,6 +655,7 @@ def cutover(
                 tenants=tenants,
                 show_status=show_status,
                 as_json=as_json,
+                wait_seconds=wait_seconds,
             )
         )
 
