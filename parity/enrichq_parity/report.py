@@ -40,12 +40,23 @@ from enrichq_parity.model import (
 )
 from enrichq_schema.text import utc_time
 
+BAR_SHARE = 0.35
+"""The share of the chart's height the tallest ticket bar may take (the right axis's top)."""
 MAX_CHIPS = 24
 """Order ids shown per diff cell; the JSON and CSV reports have them all."""
 MAX_RULE_CHIPS = 30
 """Ticket ids shown per accept rule."""
 
-STATE_BADGES = {"pass": "PASS", "review": "PASS", "fail": "FAIL", "empty": "NOTHING TO JUDGE"}
+STATE_BADGES = {
+    "pass": "PASS",
+    "review": "PASS · LEGACY FAULTS TO ACCEPT",
+    "fail": "FAIL",
+    "empty": "NOTHING TO JUDGE",
+}
+CANNOT_APPROVE = (
+    "a run that did not pass cannot be approved: fix the shadow faults, run parity again and "
+    "approve that run"
+)
 STATE_WORDS = {"pass": "pass", "review": "to accept", "fail": "fail", "empty": "no data"}
 """A tenant's or a day's state in the breakdown tables."""
 
@@ -70,6 +81,7 @@ def to_html(report: ParityReport, approvals: Sequence[Approval] = ()) -> str:
         badge=STATE_BADGES[verdict.state],
         state_words=STATE_WORDS,
         approvals=list(approvals),
+        cannot_approve=CANNOT_APPROVE,
         checklist=_checklist(report, approvals),
         cards=_cards(report),
         chart=_chart(report),
@@ -199,11 +211,14 @@ def _checklist(report: ParityReport, approvals: Sequence[Approval]) -> list[_Che
             f"{plural(t.unaccepted_legacy_faults, 'legacy-fault ticket')} without an accepted "
             "rule: add rules to the accept file and run parity again"
         )
-    approved_detail = (
-        ", ".join(f"{a.approved_by} ({utc_time(a.approved_at)} UTC)" for a in approvals)
-        if approvals
-        else f"not yet: enrichq parity approve {report.run_id} --by NAME"
-    )
+    if approvals:
+        approved_detail = ", ".join(
+            f"{a.approved_by} ({utc_time(a.approved_at)} UTC)" for a in approvals
+        )
+    elif verdict.passed:
+        approved_detail = f"not yet: enrichq parity approve {report.run_id} --by NAME"
+    else:
+        approved_detail = CANNOT_APPROVE
     shadow_detail = verdict.reason.split("; ")[0] if verdict.passed else verdict.reason
     legacy_ok = verdict.passed and t.unaccepted_legacy_faults == 0
     return [
@@ -416,13 +431,14 @@ def _chart(report: ParityReport) -> _Chart | None:
         return None
     bars = report.thresholds
     width, height = 960, 300
-    left, right, top, bottom = 56, 16, 16, 44
+    left, right, top, bottom = 56, 64, 16, 44
     plot_w, plot_h = width - left - right, height - top - bottom
     values = [v for d in days for v in (d.tally.order_coverage, _fault_free(d)) if v is not None]
     low, step = _axis(min([*values, bars.min_order_coverage, 1.0 - bars.max_shadow_fault_rate]))
     span = 1.0 - low
     slot = plot_w / len(days)
-    most = max((d.tally.compared for d in days), default=0) or 1
+    # the bars have an axis of their own, on the right, in tickets: a round top count
+    most = _round_up(max((d.tally.compared for d in days), default=0) or 1)
 
     def x(i: int) -> float:
         return left + slot * (i + 0.5)
@@ -435,10 +451,14 @@ def _chart(report: ParityReport) -> _Chart | None:
         v = low + k * step
         grid.append(_Line(y(v), "grid", ""))
         ticks.append(_Point(left - 6, y(v) + 4, f"{v * 100:.{_decimals(step)}f}%", "end"))
+    for count in (0, most // 2, most) if most > 1 else (0, most):
+        bar_y = top + plot_h - plot_h * BAR_SHARE * count / most
+        ticks.append(_Point(width - right + 6, bar_y + 4, f"{count:,}", "start"))
+    ticks.append(_Point(width - right + 6, top + plot_h * (1 - BAR_SHARE) - 10, "tickets", "start"))
     bar_items, labels, nodata = [], [], []
     label_every = max(1, math.ceil(len(days) / 14))
     for i, d in enumerate(days):
-        h = plot_h * 0.35 * d.tally.compared / most
+        h = plot_h * BAR_SHARE * d.tally.compared / most
         bar_items.append(
             _Bar(
                 x(i) - slot * 0.3,
@@ -495,6 +515,16 @@ def _series(
         " ".join(f"{px:.1f},{py:.1f}" for px, py in points) for points in runs if len(points) > 1
     )
     return _Series(css, lines, tuple(dots))
+
+
+def _round_up(count: int) -> int:
+    """The smallest of 1, 2, 5, 10, 20, 50… that is at least `count`."""
+    scale = 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale >= count:
+                return step * scale
+        scale *= 10
 
 
 def _axis(floor: float) -> tuple[float, float]:

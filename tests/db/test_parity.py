@@ -713,6 +713,36 @@ def test_reports_are_written_and_escaped(db_engine: sa.Engine, db_url: str) -> N
     assert document["approvals"][0]["approved_by"] == "<i>mallory</i>"
 
 
+def test_what_a_first_time_reviewer_reads_agrees_with_itself(
+    db_engine: sa.Engine, db_url: str
+) -> None:
+    """A run passing with legacy faults to accept is not a plain PASS; a failing run does not
+    suggest approving it; the ticket bars have an axis in tickets, not in percent."""
+    from tests.support.parity_world import seed_legacy_faults_only
+
+    from enrichq_parity.report import to_html
+
+    seed(db_engine, seed_legacy_faults_only)
+    review = to_html(run(db_engine, parity_settings(db_url)))
+    assert '<span class="badge review">PASS · LEGACY FAULTS TO ACCEPT</span>' in review
+    assert ">PASS<" not in review
+    assert "parity approve" in review  # a passing run may be approved once its faults are
+
+    with db_engine.begin() as conn:
+        add_ticket(conn, "Z-lost", created_at=DAY1, legacy=["Z1", "Z2"])
+        for i in range(5):
+            add_ticket(conn, f"Z-part-{i}", created_at=DAY2, legacy=["P1", "P2"], shadow=["P1"])
+    report = run(db_engine, parity_settings(db_url))
+    assert not report.passed
+    failing = to_html(report)
+    assert ">FAIL<" in failing
+    assert "parity approve" not in failing
+    assert "cannot be approved" in failing
+    # 30 tickets on day 1, 5 on day 2: the right axis counts tickets up to a round 50
+    right_axis = re.findall(r'text-anchor="start">([^<]+)</text>', failing)
+    assert right_axis == ["0", "25", "50", "tickets"]
+
+
 def test_the_template_ships_in_the_package() -> None:
     """The report's template and stylesheet are package data, read through importlib."""
     from importlib import resources
