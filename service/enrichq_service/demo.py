@@ -15,7 +15,7 @@ import json
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -112,9 +112,11 @@ def run_demo(  # noqa: PLR0915 -- the demo is one story, told in order
             sa.text("SELECT id, tenant, created_at FROM helpdesk.tickets ORDER BY created_at")
         ).all()
     console.print(
-        f"seeded {world.tickets} tickets, {world.customers} customers, {world.orders} orders; "
-        f"the legacy flow lost {world.legacy_lost} tickets, saved {world.legacy_partial} "
-        f"partially, and missed {world.late_orders} orders placed after its lookup"
+        f"seeded {world.tickets:,} tickets and their legacy output ({world.legacy_orders:,} "
+        f"legacy orders): the legacy flow lost {world.legacy_lost} tickets and saved "
+        f"{world.legacy_partial} in part, and {world.late_orders} orders were placed after its "
+        f"lookup; parity should find {_classes(world.expected)}",
+        highlight=False,
     )
 
     port = settings.http_port if _port_free(settings.http_port) else 0
@@ -155,7 +157,7 @@ def run_demo(  # noqa: PLR0915 -- the demo is one story, told in order
             f"{refreshed} refreshes enqueued"
         )
         REPORT_DIR.mkdir(exist_ok=True)
-        review = _review(demo, demo_url, console)
+        review = _review(demo, demo_url, console, world.expected)
         metrics_url = f"{server.url}/metrics"
         console.print(
             Panel.fit(
@@ -210,7 +212,18 @@ _STATE_WORDS = {
 }
 
 
-def _review(demo: Settings, demo_url: str, console: Any) -> _Review:
+def _classes(counts: Mapping[str, int]) -> str:
+    """Ticket counts per parity class, in the report's words and order."""
+    from enrichq_parity.model import CLASS_LABELS, TicketClass
+
+    return ", ".join(
+        f"{CLASS_LABELS[c].lower()} {counts.get(c.value, 0):,}"
+        for c in TicketClass
+        if counts.get(c.value, 0)
+    )
+
+
+def _review(demo: Settings, demo_url: str, console: Any, expected: Mapping[str, int]) -> _Review:
     """The review path of docs/cutover.md: parity, an accept file, parity again, approve,
     cut one tenant over, status; each step through the command it documents."""
     from enrichq_parity import cutover, review
@@ -234,6 +247,7 @@ def _review(demo: Settings, demo_url: str, console: Any) -> _Review:
         html_path=first_html,
     )  # fmt: skip
     first = latest()
+    _reconcile(demo_url, first.id, expected, console)
     accept_file = REPORT_DIR / "accept.toml"
     accept_file.write_text(
         ACCEPT_FILE.format(
@@ -274,6 +288,33 @@ def _review(demo: Settings, demo_url: str, console: Any) -> _Review:
         accept_file,
         html,
     )
+
+
+def _reconcile(demo_url: str, run_id: int, expected: Mapping[str, int], console: Any) -> None:
+    """Say whether the first parity run found what the seed put there, class by class."""
+    from enrichq_parity import review
+    from enrichq_parity.model import TicketClass
+
+    engine = create_engine(demo_url, pool_size=1)
+    try:
+        with engine.connect() as conn:
+            report, _ = review.load_report(conn, run_id)
+    finally:
+        engine.dispose()
+    t = report.total
+    found = {c.value: t.count(c) for c in TicketClass if t.count(c)}
+    if found == dict(expected):
+        console.print(
+            f"parity run #{run_id} found what was seeded: {_classes(found)} "
+            f"({t.legacy_orders:,} legacy orders)",
+            highlight=False,
+        )
+    else:
+        console.print(
+            f"[yellow]parity run #{run_id} differs from the seed[/]: found {_classes(found)}, "
+            f"seeded {_classes(expected)} ({t.excluded:,} tickets left out of the comparison)",
+            highlight=False,
+        )
 
 
 def _post_events(

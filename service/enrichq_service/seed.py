@@ -8,7 +8,9 @@ legacy lookup (drift, not a mismatch).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
@@ -32,6 +34,14 @@ class WorldSummary:
     late_orders: int
     no_orders: int
     unknown_requester: int
+    expected: Mapping[str, int] = field(default_factory=dict)
+    """Tickets per parity class (TicketClass values) once enrichq has enriched every ticket:
+    what the demo's first parity run must find."""
+
+    @property
+    def legacy_orders(self) -> int:
+        """The legacy output's orders: parity's "legacy orders" over the whole world."""
+        return self.legacy_rows
 
 
 def create_external_tables(conn: sa.Connection) -> None:
@@ -71,25 +81,13 @@ def seed_world(
     now = now or datetime.now(UTC)
     create_external_tables(conn)
     customers = max(1, tickets * 2 // 3)
-    cust_rows = [
-        {"customer_id": f"C-{c:06d}", "email": f"customer{c}@example.com"} for c in range(customers)
-    ]
-    order_rows: list[dict[str, object]] = []
-    orders_of: dict[str, list[dict[str, object]]] = {}
-    for c in range(customers):
-        customer_id = f"C-{c:06d}"
-        for o in range(rng.choice((0, 1, 2, 3, 3, 4, 5))):
-            row = {
-                "order_id": f"O-{c:06d}-{o}",
-                "customer_id": customer_id,
-                "placed_at": now - age - timedelta(days=rng.randint(1, 400)),
-                "total": Decimal(rng.randint(500, 50_000)) / 100,
-            }
-            order_rows.append(row)
-            orders_of.setdefault(customer_id, []).append(row)
+    cust_rows, order_rows, orders_of = _warehouse(rng, customers, now - age)
     ticket_rows: list[dict[str, object]] = []
     legacy_rows: list[dict[str, object]] = []
     lost = partial = late = empty = unknown = 0
+    expected: Counter[str] = Counter()
+    written: dict[str, tuple[str | None, set[str], datetime]] = {}
+    late_of: dict[str, list[dict[str, object]]] = {}
     for t in range(tickets):
         tid = f"T-{t:06d}"
         created = now - age * rng.random() - timedelta(hours=1)
@@ -118,8 +116,8 @@ def seed_world(
         roll = rng.random()
         if roll < 0.02 and found:
             lost += 1  # the legacy flow dropped this ticket entirely
-            continue
-        if roll < 0.04 and len(found) > 1:
+            found = []
+        elif roll < 0.04 and len(found) > 1:
             partial += 1  # the legacy flow saved only some orders
             found = found[: len(found) - 1]
         if roll > 0.97 and cid:
@@ -131,9 +129,16 @@ def seed_world(
                 "total": Decimal("19.99"),
             }
             order_rows.append(row)
+            late_of.setdefault(cid, []).append(row)
+        written[tid] = (cid, {str(o["order_id"]) for o in found}, looked_up)
         legacy_rows.extend(
             {"ticket_id": tid, "order_id": o["order_id"], "looked_up_at": looked_up} for o in found
         )
+    # What parity will call each ticket once enrichq has looked every one up (after this
+    # seed: every order of its customer, late ones included, other tickets' late orders too).
+    for cid, legacy, looked_up in written.values():
+        shadow = [*orders_of.get(cid, []), *late_of.get(cid, [])] if cid else []
+        expected[_expected_class(shadow, legacy, looked_up)] += 1
     conn.execute(SQL("seed_insert_customers"), cust_rows)
     if order_rows:
         conn.execute(SQL("seed_insert_orders"), order_rows)
@@ -150,4 +155,43 @@ def seed_world(
         late_orders=late,
         no_orders=empty,
         unknown_requester=unknown,
+        expected=dict(expected),
     )
+
+
+def _warehouse(
+    rng: random.Random, customers: int, before: datetime
+) -> tuple[list[dict[str, object]], list[dict[str, object]], dict[str, list[dict[str, object]]]]:
+    """(customer rows, order rows, orders by customer): 0 to 5 orders each, placed up to 400
+    days before `before`."""
+    cust_rows: list[dict[str, object]] = [
+        {"customer_id": f"C-{c:06d}", "email": f"customer{c}@example.com"} for c in range(customers)
+    ]
+    order_rows: list[dict[str, object]] = []
+    orders_of: dict[str, list[dict[str, object]]] = {}
+    for c in range(customers):
+        customer_id = f"C-{c:06d}"
+        for o in range(rng.choice((0, 1, 2, 3, 3, 4, 5))):
+            row = {
+                "order_id": f"O-{c:06d}-{o}",
+                "customer_id": customer_id,
+                "placed_at": before - timedelta(days=rng.randint(1, 400)),
+                "total": Decimal(rng.randint(500, 50_000)) / 100,
+            }
+            order_rows.append(row)
+            orders_of.setdefault(customer_id, []).append(row)
+    return cust_rows, order_rows, orders_of
+
+
+def _expected_class(shadow: list[dict[str, object]], legacy: set[str], looked_up: datetime) -> str:
+    """Parity's class of a ticket whose legacy rows hold `legacy` (looked up at `looked_up`)
+    and whose enrichq result is `shadow`: orders only enrichq has are drift when placed after
+    the legacy lookup (which only a legacy row records), else extras."""
+    only_shadow = [o for o in shadow if str(o["order_id"]) not in legacy]
+    drift = [o for o in only_shadow if legacy and o["placed_at"] > looked_up]  # type: ignore[operator]  # a datetime
+    extra = len(only_shadow) - len(drift)
+    if not legacy and extra:
+        return "legacy_missing"
+    if extra:
+        return "extra_only"
+    return "drift_only" if drift else "exact"
