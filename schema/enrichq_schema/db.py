@@ -41,8 +41,10 @@ def normalize_url(url: str | URL) -> URL:
 
 
 def redact(url: str | URL) -> str:
-    """The URL with its password hidden, for logs and messages."""
-    return make_url(url).render_as_string(hide_password=True)
+    """The URL with its password and secret options hidden, for logs and messages."""
+    from enrichq_schema.secrets import redacted_url
+
+    return redacted_url(url)
 
 
 def create_engine(

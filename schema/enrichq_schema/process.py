@@ -86,7 +86,9 @@ def load_callable(path: str) -> Callable[..., Any]:
 
 def say(message: str) -> None:
     """Tell the operator one line on stderr, as every enrichq command does."""
-    print(f"enrichq: {message}", file=sys.stderr)
+    from enrichq_schema.secrets import scrubbed
+
+    print(scrubbed(f"enrichq: {message}"), file=sys.stderr)
 
 
 def fail(message: str, code: int = Exit.USAGE) -> NoReturn:

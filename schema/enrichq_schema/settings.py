@@ -298,6 +298,22 @@ class Settings(BaseSettings):
         return value.upper()
 
     @model_validator(mode="after")
+    def _remember_secrets(self) -> Settings:
+        # every line this process prints or logs from now on masks them
+        from enrichq_schema.secrets import remember, secrets_of_url
+
+        for url in (
+            self.database_url,
+            self.warehouse_url,
+            self.parity_database_url,
+            self.listen_database_url,
+        ):
+            if url:
+                remember(*secrets_of_url(url))
+        remember(*self.webhook_secrets)
+        return self
+
+    @model_validator(mode="after")
     def _one_enricher(self) -> Settings:
         if self.enricher is not None and self.batch_enricher is not None:
             raise ValueError(
@@ -333,12 +349,12 @@ class Settings(BaseSettings):
 
     def safe_dump(self) -> dict[str, object]:
         """The settings as an operator may see them: passwords and secrets hidden."""
-        from sqlalchemy.engine import make_url
+        from enrichq_schema.secrets import redacted_url
 
         out: dict[str, object] = {}
         for name, value in self.model_dump().items():
             if name.endswith("_url") and value:
-                out[name] = make_url(value).render_as_string(hide_password=True)
+                out[name] = redacted_url(value)
             elif isinstance(value, SecretStr):
                 out[name] = "**********"
             else:
@@ -394,6 +410,14 @@ def _check_toml(path: Path) -> None:
 def _parse_url(value: str) -> URL:
     from sqlalchemy.engine import make_url
 
+    _, _, rest = value.partition("://")
+    if rest.split("/", 1)[0].count("@") > 1:
+        # the driver would take what follows the first '@' for the host, and quote that part
+        # of the password in its error
+        raise ValueError(
+            "its user or password holds an unescaped '@': percent-encode it as %40 (a ':', "
+            "'/', '?' or '#' in a password likewise)"
+        )
     try:
         return make_url(value)
     except Exception as exc:

@@ -1,7 +1,8 @@
 """Text from outside (ticket ids, tenants, errors, log arguments) made safe to show.
 
 A ticket id such as ``"w\\x1b[2J\\nFAKE LOG LINE"`` would clear an operator's terminal or
-forge a log line wherever it is printed raw. Ingest refuses control (Cc) and format (Cf)
+forge a log line wherever it is printed raw. Every log line is also scrubbed of the
+process's secrets (`enrichq_schema.secrets`). Ingest refuses control (Cc) and format (Cf)
 characters in ids and tenants (`unsafe_character`); rows stored before that check, and
 text that is not an id (errors, filters), are shown through `printable`, which writes such
 characters, and the line and paragraph separators, as Python escapes; every log line of
@@ -85,13 +86,15 @@ class EscapingFormatter(logging.Formatter):
     escapes to the terminal). A traceback, appended after the message, keeps its lines."""
 
     def format(self, record: logging.LogRecord) -> str:
+        from enrichq_schema.secrets import scrubbed
+
         message = record.getMessage()
-        safe = printable(message)
+        safe = scrubbed(printable(message))
         if safe == message:
-            return super().format(record)
+            return scrubbed(super().format(record))
         copy = logging.makeLogRecord(record.__dict__)
         copy.msg, copy.args = safe, None
-        return super().format(copy)
+        return scrubbed(super().format(copy))
 
 
 def one_line(text: str, limit: int = 2000) -> str:
