@@ -145,3 +145,12 @@ def start_counters_at_zero(kinds: tuple[str, ...]) -> None:
         warehouse_deferrals_total.labels(reason)
     for thread in ("claims", "runner", "settler", "heartbeat", "listener"):
         worker_errors_total.labels(thread)
+
+
+def metrics_port_problem(port: int, exc: OSError) -> str:
+    """One line saying why /metrics cannot be served on `port`, and what to set instead."""
+    return (
+        f"cannot serve /metrics on port {port}: {exc.strerror or exc}; set "
+        "ENRICHQ_METRICS_PORT to a free port, or 0 for none (several workers on one machine: "
+        "a port each, or 0)"
+    )

@@ -33,6 +33,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from enrichq_schema import metrics
+from enrichq_schema.errors import SettingsError
+from enrichq_schema.metrics import metrics_port_problem
 from enrichq_schema.queries import load
 from enrichq_schema.states import DeadReason, Kind, State
 from enrichq_sweeper import pauses as pause_controls
@@ -328,10 +330,14 @@ def start_metrics_server(
     addr: str = "0.0.0.0",  # noqa: S104 -- Prometheus scrapes the process from outside its container
     registry: CollectorRegistry = REGISTRY,
 ) -> MetricsServer | None:
-    """Serve /metrics on `port` in a daemon thread; port 0 means disabled (None)."""
+    """Serve /metrics on `port` in a daemon thread; port 0 means disabled (None). A port
+    that cannot be bound (another process on this machine has it) is a SettingsError."""
     if port == 0:
         return None
-    httpd, thread = start_http_server(port, addr=addr, registry=registry)
+    try:
+        httpd, thread = start_http_server(port, addr=addr, registry=registry)
+    except OSError as exc:
+        raise SettingsError(metrics_port_problem(port, exc)) from None
 
     def stop() -> None:
         httpd.shutdown()

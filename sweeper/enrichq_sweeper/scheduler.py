@@ -20,6 +20,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from enrichq_schema import metrics
+from enrichq_schema.metrics import metrics_port_problem
 from enrichq_schema.process import Exit, process_id, say, stop_on_signals
 from enrichq_schema.settings import Settings
 from enrichq_sweeper import passes
@@ -191,8 +192,8 @@ def run_sweeper(
                 try:
                     start_http_server(settings.metrics_port)
                 except OSError as exc:
-                    say(f"cannot serve /metrics on port {settings.metrics_port}: {exc.strerror}")
-                    return Exit.FAILED
+                    say(metrics_port_problem(settings.metrics_port, exc))
+                    return Exit.USAGE
             return sweeper.lead_or_follow()
     finally:
         metrics.sweeper_is_leader.set(0)
