@@ -432,6 +432,19 @@ def _libpq_options() -> frozenset[str]:
     return frozenset(o.keyword.decode() for o in psycopg.pq.Conninfo.get_defaults())
 
 
+# libpq's options whose value is a whole number, and the range libpq and the OS accept (a
+# bad one would fail at the first connection, with a traceback)
+INTEGER_OPTIONS = {
+    "port": (1, 65535),
+    "connect_timeout": (0, 2_147_483),
+    "keepalives": (0, 1),
+    "keepalives_idle": (0, 2_147_483),
+    "keepalives_interval": (0, 2_147_483),
+    "keepalives_count": (0, 2_147_483),
+    "tcp_user_timeout": (0, 2_147_483_647),
+}
+
+
 def _check_postgres(url: URL) -> None:
     """A PostgreSQL URL whose query options libpq knows (never the password in a message)."""
     backend = url.get_backend_name()
@@ -448,6 +461,18 @@ def _check_postgres(url: URL) -> None:
             f"unknown connection option {names} (libpq options only, such as sslmode, "
             "connect_timeout, application_name)"
         )
+    for name, (low, high) in INTEGER_OPTIONS.items():
+        value = url.query.get(name)
+        if value is None:
+            continue
+        values = [value] if isinstance(value, str) else list(value)
+        for one in values:
+            # a port list (host=a,b&port=1,2) names a port per host
+            for part in one.split(",") if name == "port" else [one]:
+                if not part.strip().isdigit() or not low <= int(part) <= high:
+                    raise ValueError(
+                        f"connection option {name!r} must be a whole number from {low} to {high}"
+                    )
 
 
 def _check_dialect(url: URL) -> None:

@@ -30,10 +30,14 @@ ESCAPED_CATEGORIES = REFUSED_CATEGORIES | {"Zl", "Zp"}
 
 
 def unsafe_character(value: str) -> str | None:
-    """The first control or format character of `value` as ``U+XXXX``, or None."""
+    """The first control or format character of `value` as ``U+XXXX``, or a lone surrogate
+    (a byte that was not UTF-8) as ``not valid UTF-8``, or None."""
     for char in value:
-        if unicodedata.category(char) in REFUSED_CATEGORIES:
+        category = unicodedata.category(char)
+        if category in REFUSED_CATEGORIES:
             return f"U+{ord(char):04X}"
+        if category == "Cs":
+            return f"U+{ord(char):04X}, not valid UTF-8"
     return None
 
 
@@ -142,6 +146,22 @@ def text_problem(value: str, max_length: int) -> str | None:
         return f"must be 1 to {max_length} characters"
     if (bad := unsafe_character(value)) is not None:
         return f"must not contain control or format characters ({bad})"
+    return None
+
+
+def id_problem(value: str, max_length: int) -> str | None:
+    """What is wrong with `value` as an id or a tenant that ingest stores and others match
+    exactly (the CLI and HTTP apply this one rule), or None: blank, padded with whitespace
+    (stored so, it would never match its ticket), too long, or holding a refused character
+    or a byte that was not UTF-8."""
+    if not value.strip():
+        return "must not be blank"
+    if (bad := unsafe_character(value)) is not None:
+        return f"must not contain control or format characters ({bad})"
+    if value != value.strip():
+        return "must not start or end with whitespace"
+    if len(value) > max_length:
+        return f"must be at most {max_length} characters"
     return None
 
 

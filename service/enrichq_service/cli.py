@@ -706,10 +706,31 @@ def _run(entry: click.Command, args: list[str] | None) -> int:
     return Exit.OK
 
 
+def undecodable_argument(args: list[str]) -> str | None:
+    """One line for the first argument holding bytes that are not UTF-8 (Python keeps them
+    as lone surrogates, which no database or terminal accepts), or None."""
+    for number, arg in enumerate(args, start=1):
+        for index, char in enumerate(arg):
+            if "\udc80" <= char <= "\udcff":
+                return (
+                    f"argument {number} is not valid UTF-8 (byte 0x{ord(char) - 0xDC00:02x} at "
+                    f"character {index + 1}); nothing changed"
+                )
+    return None
+
+
 def main(args: list[str] | None = None) -> int:
     """Entry point of the ``enrichq`` console script."""
     from enrichq_schema.errors import describe_database_error
 
+    code: int
+    problem = undecodable_argument(sys.argv[1:] if args is None else args)
+    if problem is not None:
+        say(problem)
+        code = Exit.USAGE
+        if args is None:
+            sys.exit(code)
+        return code
     try:
         code = _run(cli, args)
     except Exception as exc:

@@ -46,7 +46,7 @@ from enrichq_schema.db import current_revision, head_revision
 from enrichq_schema.errors import SettingsError
 from enrichq_schema.settings import Settings
 from enrichq_schema.states import EVENT_ID_MAX_LENGTH, KEY_MAX_LENGTH, Kind
-from enrichq_schema.text import unsafe_character, validation_problem
+from enrichq_schema.text import id_problem, unsafe_character, validation_problem
 from enrichq_service import events as ingest
 from enrichq_service import queue
 from enrichq_service.errors import ServiceError
@@ -97,7 +97,15 @@ class Event(BaseModel):
     occurred_at: AwareDatetime = Field(description="When it happened (RFC 3339, with a zone).")
     payload: dict[str, Any] | None = Field(default=None, description="Kept on the queue row.")
 
-    @field_validator("id", "ticket_id", "tenant")
+    @field_validator("ticket_id", "tenant")
+    @classmethod
+    def _an_id(cls, value: str | None) -> str | None:
+        # the rule of `enrichq enqueue` too (enrichq_schema.text.id_problem)
+        if value is not None and (problem := id_problem(value, KEY_MAX_LENGTH)):
+            raise ValueError(problem)
+        return value
+
+    @field_validator("id")
     @classmethod
     def _printable(cls, value: str | None) -> str | None:
         if value is None:

@@ -31,7 +31,7 @@ from enrichq_schema.states import (
     Reason,
     State,
 )
-from enrichq_schema.text import unsafe_character
+from enrichq_schema.text import id_problem
 from enrichq_service.errors import ServiceError
 
 if TYPE_CHECKING:
@@ -75,23 +75,18 @@ class EnqueueRequest:
         delay_seconds: float | None = None,
     ) -> EnqueueRequest:
         """A validated request; a bad field raises QueueInputError naming it."""
-        if not isinstance(key, str) or not key.strip():
-            raise QueueInputError("key: must be a non-empty string")
-        if len(key) > KEY_MAX_LENGTH:
-            raise QueueInputError(f"key: longer than {KEY_MAX_LENGTH} characters")
-        # control and format characters (NUL, escapes, newlines, zero-width and bidi
-        # marks) would reach terminals and logs wherever the key or tenant is shown
+        if not isinstance(key, str):
+            raise QueueInputError("key: must be a string")
+        # one rule for ids and tenants wherever they come in (enrichq_schema.text.id_problem):
+        # no blank or padded value, no control or format character (they would reach
+        # terminals and logs), no byte that was not UTF-8
         for name, value in (("key", key), ("tenant", tenant)):
-            if value is not None and (bad := unsafe_character(value)) is not None:
-                raise QueueInputError(
-                    f"{name}: must not contain control or format characters ({bad})"
-                )
+            if value is not None and (problem := id_problem(value, KEY_MAX_LENGTH)):
+                raise QueueInputError(f"{name}: {problem}")
         if kind not in ALL_KINDS:
             raise QueueInputError(f"kind: {kind!r} is not one of {', '.join(Kind)}")
         if reason not in {r.value for r in Reason}:
             raise QueueInputError(f"reason: {reason!r} is not one of {', '.join(Reason)}")
-        if tenant is not None and (not tenant or len(tenant) > KEY_MAX_LENGTH):
-            raise QueueInputError(f"tenant: must be 1 to {KEY_MAX_LENGTH} characters")
         if delay_seconds is not None and delay_seconds < 0:
             raise QueueInputError("delay_seconds: must not be negative")
         body = dict(payload or {})
