@@ -13,8 +13,10 @@ What ``enrichq_queue_rows{kind,state}`` covers, and how fresh it is:
   Counting them at every scrape would walk the retained history (30 days of done rows, 90
   of dead letters) on every scrape of every process.
 
-Every known kind gets a zero sample for every state and for each dead reason, so an alert
-on an absent series never silently passes.
+Every known kind gets a zero sample for each open state, and, once a sweeper has counted
+(the counted-at gauge is then above 0), for each terminal state and dead reason, so an alert
+on an absent series never silently passes; before the first count the terminal samples are
+left out rather than shown as a 0 nobody counted.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ CACHE_SECONDS_DEFAULT = 5.0
 # A scrape must answer quickly even when the database is slow; Prometheus times out at 10 s.
 STATEMENT_TIMEOUT = "2s"
 ROW_STATES = tuple(s.value for s in State)
+OPEN_STATES = (State.QUEUED.value, State.LEASED.value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,12 +88,16 @@ def read_snapshot(conn: sa.Connection, *, now: datetime | None = None) -> QueueS
     for kind, age in conn.execute(SQL("observe_oldest_visible"), {"now": now}):
         oldest[kind] = max(0.0, float(age))
         kinds.add(kind)
-    # Zero-fill every kind the service knows, so absent series never hide a problem.
+    # Zero-fill every kind the service knows, so absent series never hide a problem; the
+    # terminal states only once a sweeper has counted them (before that a 0 would claim a
+    # count nobody made: enrichq_queue_counted_timestamp_seconds is 0 then).
+    counted = counted_at > 0
     for kind in kinds:
-        for state in ROW_STATES:
+        for state in ROW_STATES if counted else OPEN_STATES:
             rows.setdefault((kind, state), 0)
-        for reason in DeadReason:
-            dead.setdefault((kind, reason.value), 0)
+        if counted:
+            for reason in DeadReason:
+                dead.setdefault((kind, reason.value), 0)
         oldest.setdefault(kind, 0.0)
     leases = conn.execute(SQL("observe_leases"), {"now": now}).one()
     vacuum = conn.execute(SQL("observe_vacuum")).one_or_none()

@@ -192,6 +192,43 @@ def test_metrics_endpoint_matches_the_database(db_url: str, db_engine: sa.Engine
     assert any(name == "enrichq_build_info" for name, _ in samples)
 
 
+def test_terminal_counts_are_absent_until_the_sweeper_has_counted(
+    db_url: str, db_engine: sa.Engine
+) -> None:
+    """Before any sweeper has counted done, failed and dead-letter rows, /metrics leaves
+    those samples out instead of showing 0: a dashboard must not read 'no dead letters'
+    from a count nobody made. Open rows are counted live and are always there."""
+    cfg = make_settings(db_url, webhook_secret=SECRET)
+    with db_engine.begin() as conn:
+        queue.enqueue(conn, [EnqueueRequest.build(key="T-1")], settings=cfg)
+        conn.execute(
+            sa.text(
+                "INSERT INTO enrichq.queue (kind, key, reason, state, max_attempts, attempts,"
+                " dead_reason, finished_at) VALUES ('enrich', 'T-2', 'manual', 'dead_letter',"
+                " 5, 5, 'attempts_exhausted', now())"
+            )
+        )
+
+    registry = CollectorRegistry()
+    registry.register(QueueCollector(db_engine, cache_seconds=0.0))
+
+    def scrape() -> Samples:
+        return parse(generate_latest(registry).decode())
+
+    before = scrape()
+    states = {dict(labels)["state"] for name, labels in before if name == "enrichq_queue_rows"}
+    assert states == {"queued", "leased"}
+    assert not any(name == "enrichq_queue_dead_letters" for name, _ in before)
+    assert before[("enrichq_queue_counted_timestamp_seconds", ())] == 0
+    counts.run_once(db_engine, statement_timeout_seconds=5)
+    after = scrape()
+    assert after[("enrichq_queue_rows", (("kind", "enrich"), ("state", "dead_letter")))] == 1
+    assert after[("enrichq_queue_rows", (("kind", "enrich"), ("state", "done")))] == 0
+    assert (
+        after[("enrichq_queue_dead_letters", (("kind", "enrich"), ("reason", "superseded")))] == 0
+    )
+
+
 def test_a_scrape_storm_runs_the_queries_once_per_cache_period(
     db_engine: sa.Engine, statements: StatementCounter
 ) -> None:
