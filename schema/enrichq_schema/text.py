@@ -105,7 +105,10 @@ def error_line(exc: BaseException, limit: int) -> str:
     NUL or control characters left (they reach a row's last_error, logs and terminals). A
     driver error wrapped by SQLAlchemy is shown as the driver's, without the SQL."""
     orig = getattr(exc, "orig", None) or exc
-    lines = str(orig).strip().splitlines()
+    try:
+        lines = str(orig).strip().splitlines()
+    except Exception:  # a plug-in's exception whose __str__ itself raises
+        lines = ["(its message could not be read)"]
     return printable(f"{type(orig).__name__}: {lines[0] if lines else ''}")[:limit]
 
 

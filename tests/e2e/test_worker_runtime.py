@@ -68,6 +68,7 @@ EXPECTED_FAILURE = {
     # not a result but an error text: kept, its NUL made printable, and retried as usual
     "nul_error": ("dead_letter", "warehouse said \\x00 and hung up"),
     "surrogate_error": ("dead_letter", "warehouse said \\udcff and hung up"),
+    "unreadable_error": ("dead_letter", "Unreadable: (its message could not be read)"),
 }
 
 

@@ -121,12 +121,22 @@ BAD_KINDS = (
     "surrogate_job_id",
     "surrogate_error",
     "huge_bytes",
+    "unreadable_error",
 )
 # what `bytes.decode("utf-8", "surrogateescape")` makes of a byte that is not UTF-8: a lone
 # surrogate, which no UTF-8 text (and so no PostgreSQL text) can hold
 SURROGATE = b"\xff".decode("utf-8", "surrogateescape")
 # errors a plug-in raises (not results): kept, escaped, retried as usual
-ERROR_KINDS = ("nul_error", "surrogate_error")
+ERROR_KINDS = ("nul_error", "surrogate_error", "unreadable_error")
+
+
+class Unreadable(TransientError):
+    """A plug-in's error whose message cannot even be made into text."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no message")
+
+
 # the field each invalid result's `last_error` names
 BAD_FIELDS = {
     "nul_order_id": "orders[0].order_id",
@@ -155,6 +165,8 @@ def bad_enrichment(kind: str) -> Enrichment:
         raise TransientError("warehouse said \x00 and hung up")
     if kind == "surrogate_error":
         raise TransientError(f"warehouse said {SURROGATE} and hung up")
+    if kind == "unreadable_error":
+        raise Unreadable
     orders: object = {
         "nul_order_id": (Order("O-\x00-1"),),
         "nul_customer_id": (Order("O-1", customer_id="C-\x00"),),

@@ -111,6 +111,14 @@ def test_an_error_text_escapes_lone_surrogates() -> None:
     text.encode("utf-8")  # storable
 
 
+def test_an_error_text_survives_an_exception_whose_message_raises() -> None:
+    class Odd(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no message")
+
+    assert error_text(Odd()) == "Odd: (its message could not be read)"
+
+
 def test_an_error_text_is_one_printable_bounded_line() -> None:
     text = error_text(ValueError("warehouse said \x00 and\nthen \x1b[2J more"))
     assert text == "ValueError: warehouse said \\x00 and"
