@@ -52,6 +52,9 @@ ID_MAX_LENGTH = 1000  # order, customer and warehouse job ids
 # (a sentinel, an overflow): it fails that job alone and is charged as nothing.
 BYTES_MAX = 2**50
 ERROR_MAX_LENGTH = 4000
+# PostgreSQL's numeric (a total): at most 131072 digits before the decimal point, 16383 after
+NUMERIC_DIGITS_MAX = 131_071  # the largest exponent of a leading digit
+NUMERIC_SCALE_MAX = 16_383
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,11 +298,19 @@ def _number(value: object, where: str) -> Decimal | None:
     if isinstance(value, bool) or not isinstance(value, Decimal | int | float):
         raise InvalidResult(f"{where}: expected a number, got {type(value).__name__}")
     try:
-        number = value if isinstance(value, Decimal) else Decimal(str(value))
-    except InvalidOperation:
+        # an int as it is: str() of one past 4300 digits raises ValueError
+        number = value if isinstance(value, Decimal | int) else Decimal(str(value))
+        number = Decimal(number)
+    except (InvalidOperation, ValueError):
         raise InvalidResult(f"{where}: not a number") from None
     if not number.is_finite() or (isinstance(value, float) and not math.isfinite(value)):
         raise InvalidResult(f"{where}: must be a finite number")
+    if not number:
+        return Decimal(0)  # a zero of any exponent (0E-20000 would overflow numeric)
+    exponent = number.as_tuple().exponent
+    assert isinstance(exponent, int)  # a finite number's is
+    if number.adjusted() > NUMERIC_DIGITS_MAX or exponent < -NUMERIC_SCALE_MAX:
+        raise InvalidResult(f"{where}: out of the range PostgreSQL's numeric holds")
     return number
 
 

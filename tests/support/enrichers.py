@@ -121,6 +121,7 @@ BAD_KINDS = (
     "surrogate_job_id",
     "surrogate_error",
     "huge_bytes",
+    "huge_total",
     "unreadable_error",
 )
 # what `bytes.decode("utf-8", "surrogateescape")` makes of a byte that is not UTF-8: a lone
@@ -148,6 +149,7 @@ BAD_FIELDS = {
     "surrogate_order_id": "orders[0].order_id",
     "surrogate_job_id": "job_id",
     "huge_bytes": "bytes_billed",
+    "huge_total": "orders[0].total",
 }
 
 
@@ -177,6 +179,8 @@ def bad_enrichment(kind: str) -> Enrichment:
         "surrogate_order_id": (Order(f"O-{SURROGATE}-1"),),
         "surrogate_job_id": (Order("O-1"),),
         "huge_bytes": (Order("O-1"),),
+        # past numeric's 131072 digits, and past what str() makes of an int
+        "huge_total": (Order("O-1", total=10**131072),),
     }[kind]
     job_id = {"nul_job_id": "job-\x00", "surrogate_job_id": f"job-{SURROGATE}"}.get(kind, "job-1")
     billed = 2**63 - 1 if kind == "huge_bytes" else 10  # a bigint, but no warehouse's bill

@@ -64,6 +64,10 @@ BAD = [
     (Enrichment([Order("O-1", total="lots")]), "orders[0].total: expected a number, got str"),  # type: ignore[arg-type]  # the bad value under test
     (Enrichment([Order("O-1", total=float("nan"))]), "orders[0].total: must be a finite number"),
     (Enrichment([Order("O-1", total=True)]), "orders[0].total: expected a number"),
+    # past what PostgreSQL's numeric holds (and an int too long for str())
+    (Enrichment([Order("O-1", total=Decimal("1e131072"))]), "orders[0].total: out of the range"),
+    (Enrichment([Order("O-1", total=Decimal("1e-16384"))]), "orders[0].total: out of the range"),
+    (Enrichment([Order("O-1", total=10**131072)]), "orders[0].total: out of the range"),
     (Enrichment([Order(None)]), "orders[0].order_id: expected text, got NoneType"),  # type: ignore[arg-type]  # as above
     (Enrichment([Order("")]), "orders[0].order_id: must be 1 to"),
     (Enrichment([Order("x" * 1001)]), "orders[0].order_id: must be 1 to"),
@@ -97,6 +101,19 @@ def test_a_bad_result_is_refused_naming_the_field(result: object, message: str) 
         validate(result)
     assert message in str(refused.value)
     assert "\x00" not in str(refused.value)
+
+
+def test_the_largest_totals_postgres_holds_pass() -> None:
+    totals: list[Decimal | float] = [
+        Decimal("9e131071"),
+        Decimal("1e-16383"),
+        10**5000,
+        Decimal(0),
+        Decimal("-0E-20000"),
+    ]
+    result = validate(Enrichment([Order(f"O-{i}", total=t) for i, t in enumerate(totals)]))
+    assert [o.total for o in result.orders] == [Decimal(t) for t in totals]
+    assert str(result.orders[-1].total) == "0"  # 0E-20000 would overflow numeric
 
 
 def test_the_largest_bill_passes_and_is_charged() -> None:
