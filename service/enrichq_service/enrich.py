@@ -12,10 +12,12 @@ The enrichment is a plug-in, in one of two forms:
 Either raises ``TransientError`` (retry), ``PermanentError`` (fail) or ``Deferral`` (defer
 until a time); anything else counts as transient. A plug-in's result is checked where it
 enters (`validate`): a result of the wrong shape, a NUL byte, an over-long id or a total
-that is not a number fails that job alone, with the field named, before anything reaches
-the database. The built-in enrichment, `warehouse_lookup_batch` (the default), runs one
-warehouse query for a whole batch through SQLAlchemy's expanding bind parameters, so the
-same statement runs on every dialect; `warehouse_lookup` is its per-ticket form.
+that is not a number, text PostgreSQL cannot hold (a lone surrogate, as
+``bytes.decode("utf-8", "surrogateescape")`` makes) or a bill over `BYTES_MAX` fails that
+job alone, with the field named, before anything reaches the database. The built-in
+enrichment, `warehouse_lookup_batch` (the default), runs one warehouse query for a whole
+batch through SQLAlchemy's expanding bind parameters, so the same statement runs on every
+dialect; `warehouse_lookup` is its per-ticket form.
 """
 
 from __future__ import annotations
@@ -44,8 +46,15 @@ from enrichq_service.errors import PermanentError, TransientError
 
 SQL = load("enrichq_service", "sql/enrich.sql")
 ID_MAX_LENGTH = 1000  # order, customer and warehouse job ids
-BYTES_MAX = 2**63 - 1  # bytes billed is a bigint
+# The most bytes one lookup may bill: a pebibyte (2^50). No warehouse bills a query
+# anywhere near it (BigQuery's on-demand price makes it a six-figure query), and a day's
+# ledger of 2^13 such lookups still fits its bigint. A larger figure is a plug-in's bug
+# (a sentinel, an overflow): it fails that job alone and is charged as nothing.
+BYTES_MAX = 2**50
 ERROR_MAX_LENGTH = 4000
+# PostgreSQL's numeric (a total): at most 131072 digits before the decimal point, 16383 after
+NUMERIC_DIGITS_MAX = 131_071  # the largest exponent of a leading digit
+NUMERIC_SCALE_MAX = 16_383
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +224,7 @@ def validate(result: object) -> Enrichment:
     job_id = _text(result.job_id, "job_id", required=False)
     billed = result.bytes_billed
     if isinstance(billed, bool) or not isinstance(billed, int) or not 0 <= billed <= BYTES_MAX:
-        raise InvalidResult(f"bytes_billed: expected an integer from 0 to 2^63-1, got {billed!r}")
+        raise InvalidResult(f"bytes_billed: expected an integer from 0 to 2^50, got {billed!r}")
     return Enrichment(checked, job_id=job_id, bytes_billed=billed)
 
 
@@ -257,7 +266,18 @@ def _text(value: object, where: str, *, required: bool) -> str | None:
         raise InvalidResult(f"{where}: must be 1 to {ID_MAX_LENGTH} characters")
     if "\x00" in value:
         raise InvalidResult(f"{where}: contains a NUL byte")
+    if (surrogate := _surrogate(value)) is not None:
+        raise InvalidResult(f"{where}: contains a lone surrogate ({surrogate}), not UTF-8 text")
     return value
+
+
+def _surrogate(value: str) -> str | None:
+    """The first lone surrogate of `value` as ``U+XXXX`` (no UTF-8 text holds one), or None."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"U+{ord(value[exc.start]):04X}"
+    return None
 
 
 def _time(value: object, where: str) -> datetime | None:
@@ -265,7 +285,11 @@ def _time(value: object, where: str) -> datetime | None:
         return None
     if not isinstance(value, datetime):
         raise InvalidResult(f"{where}: expected a datetime, got {type(value).__name__}")
-    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+    try:
+        offset = value.utcoffset()  # what the driver asks when it sends the time
+    except Exception:  # a plug-in's own tzinfo may raise anything
+        raise InvalidResult(f"{where}: its time zone gives no valid UTC offset") from None
+    return value if offset is not None else value.replace(tzinfo=UTC)
 
 
 def _number(value: object, where: str) -> Decimal | None:
@@ -274,11 +298,19 @@ def _number(value: object, where: str) -> Decimal | None:
     if isinstance(value, bool) or not isinstance(value, Decimal | int | float):
         raise InvalidResult(f"{where}: expected a number, got {type(value).__name__}")
     try:
-        number = value if isinstance(value, Decimal) else Decimal(str(value))
-    except InvalidOperation:
+        # an int as it is: str() of one past 4300 digits raises ValueError
+        number = value if isinstance(value, Decimal | int) else Decimal(str(value))
+        number = Decimal(number)
+    except (InvalidOperation, ValueError):
         raise InvalidResult(f"{where}: not a number") from None
     if not number.is_finite() or (isinstance(value, float) and not math.isfinite(value)):
         raise InvalidResult(f"{where}: must be a finite number")
+    if not number:
+        return Decimal(0)  # a zero of any exponent (0E-20000 would overflow numeric)
+    exponent = number.as_tuple().exponent
+    assert isinstance(exponent, int)  # a finite number's is
+    if number.adjusted() > NUMERIC_DIGITS_MAX or exponent < -NUMERIC_SCALE_MAX:
+        raise InvalidResult(f"{where}: out of the range PostgreSQL's numeric holds")
     return number
 
 

@@ -20,8 +20,8 @@ import sqlalchemy as sa
 from prometheus_client import REGISTRY
 from tests.support.commit_cutter import cutting
 from tests.support.db import q
-from tests.support.enrichers import BAD_FIELDS, BAD_KINDS
-from tests.support.procs import enrichq_env, spawn, wait_for
+from tests.support.enrichers import BAD_FIELDS, BAD_KINDS, SURROGATE
+from tests.support.procs import enrichq_env, spawn, stop, wait_for
 from tests.support.settings import make_settings
 from tests.support.world import seeded
 
@@ -67,6 +67,8 @@ EXPECTED_FAILURE = {
     **{kind: ("failed", field) for kind, field in BAD_FIELDS.items()},
     # not a result but an error text: kept, its NUL made printable, and retried as usual
     "nul_error": ("dead_letter", "warehouse said \\x00 and hung up"),
+    "surrogate_error": ("dead_letter", "warehouse said \\udcff and hung up"),
+    "unreadable_error": ("dead_letter", "Unreadable: (its message could not be read)"),
 }
 
 
@@ -91,6 +93,7 @@ def test_one_bad_result_fails_that_job_and_the_worker_drains(
     assert state == want_state
     assert names in error
     assert "\x00" not in error
+    assert SURROGATE not in error
     others = q(
         db_engine, "SELECT state, count(*) FROM enrichq.queue WHERE key <> :k GROUP BY 1", k=bad
     )
@@ -99,6 +102,78 @@ def test_one_bad_result_fails_that_job_and_the_worker_drains(
     assert q(
         db_engine, "SELECT count(*) FROM enrichq.ticket_orders WHERE ticket_id = :k", k=bad
     ) == [(0,)]
+
+
+# what the bad ticket's own lookup is charged: a result refused for a bad order or job id
+# still cost what it billed; a plug-in error or a bill no warehouse sends costs nothing
+CHARGED = {"surrogate_order_id": 10, "surrogate_job_id": 10, "surrogate_error": 0, "huge_bytes": 0}
+
+
+@pytest.mark.parametrize("kind", sorted(CHARGED))
+def test_a_bad_outcome_in_a_batch_fails_that_job_and_worker_drain_exits_0(
+    db_url: str, db_engine: sa.Engine, tmp_path: Path, kind: str
+) -> None:
+    """A batch of 20 tickets whose outcomes reach the settler together, one of them holding
+    a lone surrogate (what `surrogateescape` decoding makes) or a bill of 2^63-1 bytes:
+    `enrichq worker --drain` settles the good ones, fails the bad one alone, charges every
+    lookup once, and exits 0."""
+    keys = seeded(db_engine, 20)
+    bad = keys[7]
+    with db_engine.begin() as conn:
+        conn.execute(sa.text("UPDATE enrichq.queue SET max_attempts = 1"))
+    env = enrichq_env(
+        db_url,
+        batch_enricher="tests.support.enrichers:bad_in_batch",
+        ENRICHQ_TEST_BAD_TICKET=bad,
+        ENRICHQ_TEST_BAD_KIND=kind,
+    )
+    log = tmp_path / "worker.log"
+    worker = spawn(["worker", "--drain"], env, log=log)
+    try:
+        code = worker.wait(120)
+    finally:
+        stop(worker)
+    assert code == 0, log.read_text(errors="replace")
+    state, error = q(
+        db_engine, "SELECT state, last_error FROM enrichq.queue WHERE key = :k", k=bad
+    )[0]
+    want_state, names = EXPECTED_FAILURE[kind]
+    assert (state, names in error, SURROGATE in error) == (want_state, True, False), error
+    others = q(
+        db_engine, "SELECT state, count(*) FROM enrichq.queue WHERE key <> :k GROUP BY 1", k=bad
+    )
+    assert others == [("done", len(keys) - 1)]
+    logged = q(db_engine, "SELECT count(*), sum(bytes_billed) FROM enrichq.lookup_log")
+    assert logged == [(len(keys), 1000 * (len(keys) - 1) + CHARGED[kind])]
+    assert q(db_engine, "SELECT lookups, bytes_billed FROM enrichq.budget_ledger") == logged
+
+
+def test_a_ledger_at_its_bigint_limit_still_lets_every_settle_of_the_day_through(
+    db_url: str, db_engine: sa.Engine
+) -> None:
+    """Today's ledger a few bytes short of bigint's largest value (what a bill of 2^63-1
+    left before bills were bounded): the day's later settles go through, and the ledger
+    stays at the largest value, every budget spent."""
+    keys = seeded(db_engine, 5)
+    top = 2**63 - 1
+    with db_engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO enrichq.budget_ledger (day, bytes_billed, lookups)"
+                " VALUES (CAST(timezone('UTC', now()) AS date), :b, 1)"
+            ),
+            {"b": top - 10},
+        )
+    settings = make_settings(db_url, enricher="tests.support.enrichers:tagged")
+    result = drain_in_thread(Worker(settings, db_engine), timeout=60)
+    assert result is not None
+    assert result.stop_reason == "no_work"
+    assert q(db_engine, "SELECT state, count(*) FROM enrichq.queue GROUP BY 1") == [
+        ("done", len(keys))
+    ]
+    assert q(db_engine, "SELECT bytes_billed, lookups FROM enrichq.budget_ledger") == [
+        (top, 1 + len(keys))
+    ]
 
 
 # -- 2. an attempt that never started never spends an attempt; abandoned work never runs

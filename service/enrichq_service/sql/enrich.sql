@@ -94,14 +94,20 @@ logged AS (
     ON CONFLICT (queue_id, claim_token) DO NOTHING
     RETURNING l.bytes_billed
 ),
+-- The day's sum saturates at bigint's largest value instead of overflowing (numeric
+-- arithmetic, then least): a ledger that reached it (one lookup's bill is at most 2^50
+-- since enrichq_service.enrich.BYTES_MAX, but a row written before may be larger) means
+-- "every budget spent", and never refuses the settles of the rest of the day.
 charged AS (
     INSERT INTO enrichq.budget_ledger AS b (day, bytes_billed, lookups, updated_at)
-    SELECT CAST(timezone('UTC', clock.now) AS date), sum(g.bytes_billed), count(*), clock.now
+    SELECT CAST(timezone('UTC', clock.now) AS date),
+           CAST(least(sum(g.bytes_billed), 9223372036854775807) AS bigint), count(*), clock.now
     FROM logged AS g
     CROSS JOIN clock
     GROUP BY clock.now
     ON CONFLICT (day) DO UPDATE
-    SET bytes_billed = b.bytes_billed + excluded.bytes_billed,
+    SET bytes_billed = CAST(least(CAST(b.bytes_billed AS numeric) + excluded.bytes_billed,
+                                  9223372036854775807) AS bigint),
         lookups = b.lookups + excluded.lookups, updated_at = excluded.updated_at
     RETURNING 1
 ),
