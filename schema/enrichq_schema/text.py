@@ -32,14 +32,11 @@ ESCAPED_CATEGORIES = REFUSED_CATEGORIES | {"Zl", "Zp"}
 
 
 def unsafe_character(value: str) -> str | None:
-    """The first control or format character of `value` as ``U+XXXX``, or a lone surrogate
-    (a byte that was not UTF-8) as ``not valid UTF-8``, or None."""
+    """The first refused character of `value` (control, format, lone surrogate) as
+    ``U+XXXX``, or None."""
     for char in value:
-        category = unicodedata.category(char)
-        if category in REFUSED_CATEGORIES:
+        if unicodedata.category(char) in REFUSED_CATEGORIES:
             return f"U+{ord(char):04X}"
-        if category == "Cs":
-            return f"U+{ord(char):04X}, not valid UTF-8"
     return None
 
 
