@@ -98,5 +98,6 @@ class Heartbeat:
         self._last = time.monotonic()
         gone = set(missing)
         self._jobs.confirm([h for h in held if h.id not in gone], started)
-        if missing:
-            self._jobs.lose(missing)
+        if gone:
+            # the claims this statement named, never a newer claim of the same row
+            self._jobs.lose([h for h in held if h.id in gone])
