@@ -11,8 +11,10 @@ the database clock; a heartbeat never calls a settled job lost.
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -26,7 +28,11 @@ from tests.support.settings import make_settings
 from tests.support.world import seeded
 
 from enrichq_schema.db import create_engine
+from enrichq_service import queue
 from enrichq_service.worker import RunResult, Worker
+from enrichq_service.worker.admission import Admission
+from enrichq_service.worker.heartbeat import Heartbeat
+from enrichq_service.worker.lifecycle import Held, Jobs, Phase
 
 pytestmark = pytest.mark.slow
 
@@ -419,3 +425,93 @@ def test_settled_jobs_are_never_counted_as_lost_leases(db_url: str, db_engine: s
     )
     assert refused == 0  # no lease was really lost
     assert sample("enrichq_heartbeat_lost_leases_total") - lost_before == 0
+
+
+# -- 8. a row claimed again is another job: an old claim's report never touches it
+
+
+def _claim_one(engine: sa.Engine, owner: str) -> Held:
+    with engine.begin() as conn:
+        [job] = queue.claim(conn, owner=owner, limit=1, lease_seconds=30)
+    return Held(job, None, float("inf"))
+
+
+def _lease_of(engine: sa.Engine) -> tuple[uuid.UUID, datetime]:
+    [(token, expires)] = q(engine, "SELECT claim_token, lease_expires_at FROM enrichq.queue")
+    return token, expires
+
+
+def test_a_stale_heartbeat_does_not_lose_the_rows_newer_claim(
+    db_url: str, db_engine: sa.Engine
+) -> None:
+    """The heartbeat takes its snapshot of the held jobs; before its statement runs, the
+    old claim is deferred to now, settled, and the row claimed again by this worker. The
+    statement misses the old claim: that claim is gone, the new one is not lost (it was,
+    matched by id: its handler stopped, no heartbeat, its result refused)."""
+    seeded(db_engine, 1)
+    owner = "w:1:reclaim"
+    lost: list[Held] = []
+    jobs = Jobs(on_lost=lost.append)
+    settings = make_settings(db_url)
+    heartbeat = Heartbeat(db_engine, settings, owner, jobs, Admission(db_engine, settings, owner))
+    old = _claim_one(db_engine, owner)
+    jobs.add([old])
+    newer: list[Held] = []
+    fired = threading.Event()
+
+    def reclaim_before_the_heartbeat(
+        conn: sa.Connection, cursor: object, statement: str, *args: object
+    ) -> None:
+        if "FROM held, clock" not in statement or fired.is_set():  # the heartbeat's statement
+            return
+        fired.set()
+        assert jobs.hand_off(old, finished=False)
+        with db_engine.begin() as other:
+            assert queue.defer(other, owner=owner, deferrals=[(old.job, None)]) == {old.id}
+        jobs.settled([old])
+        newer.append(_claim_one(db_engine, owner))
+        jobs.add(newer)
+
+    sa.event.listen(db_engine, "before_cursor_execute", reclaim_before_the_heartbeat)
+    try:
+        heartbeat.beat()
+    finally:
+        sa.event.remove(db_engine, "before_cursor_execute", reclaim_before_the_heartbeat)
+    [new] = newer
+    assert new.id == old.id
+    assert new.job.claim_token != old.job.claim_token
+    assert lost == []
+    assert new.phase is Phase.CLAIMED
+    assert jobs.heartbeat_jobs() == [new]
+    _, before = _lease_of(db_engine)
+    heartbeat.beat()
+    token, after = _lease_of(db_engine)
+    assert token == new.job.claim_token
+    assert after > before  # the new claim's lease is extended
+
+
+def test_the_old_claims_settle_does_not_drop_the_rows_newer_claim(
+    db_url: str, db_engine: sa.Engine
+) -> None:
+    """The old claim's defer commits; the row is claimed again before the settler reports
+    the old claim settled. That report lets the old claim go, not the new one (it popped
+    the new one by id: no heartbeat, its lease lapsed, its result was refused)."""
+    seeded(db_engine, 1)
+    owner = "w:1:reclaim"
+    jobs = Jobs()
+    settings = make_settings(db_url)
+    heartbeat = Heartbeat(db_engine, settings, owner, jobs, Admission(db_engine, settings, owner))
+    old = _claim_one(db_engine, owner)
+    jobs.add([old])
+    assert jobs.hand_off(old, finished=False)
+    with db_engine.begin() as conn:
+        queue.defer(conn, owner=owner, deferrals=[(old.job, None)])
+    new = _claim_one(db_engine, owner)
+    jobs.add([new])
+    jobs.settled([old])  # the settler's report, after the new claim
+    assert jobs.unsettled() == [new]
+    _, before = _lease_of(db_engine)
+    heartbeat.beat()
+    token, after = _lease_of(db_engine)
+    assert token == new.job.claim_token
+    assert after > before

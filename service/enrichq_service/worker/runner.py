@@ -9,11 +9,13 @@ plug-in and loses attempts it never used. A thread whose plug-in hangs past the 
 deadline is abandoned (its job retried) and stays busy until the plug-in returns: the pool
 has a spare thread per slot, and once those are taken the worker claims less.
 
-For each unit the runner starts the jobs that may still start (one lost or abandoned
-meanwhile never does), checks each (known kind, payload, mirrored ticket), admits the
-lookup fleet-wide (budget, warehouse cap), runs the enricher (the unit's suspects, whose
-previous attempt lost its process, in a child process: `enrichq_service.isolate`),
-validates each result where it enters, and hands the settler one settlement per job.
+For each unit the runner checks each job (known kind, payload, mirrored ticket), admits
+the lookup fleet-wide (budget, warehouse cap), starts the jobs that may still start (one
+deferred, lost or abandoned meanwhile never does: a job is not running while it waits for
+its admission, and its attempt is given back if its deadline passes then), runs the
+enricher (the unit's suspects, whose previous attempt lost its process, in a child
+process: `enrichq_service.isolate`), validates each result where it enters, and hands the
+settler one settlement per job.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from enrichq_service.enrich import (
 from enrichq_service.errors import Deferral, PermanentError, TransientError
 from enrichq_service.isolate import enrich_in_child, is_suspect
 from enrichq_service.queue import SettleAction
-from enrichq_service.worker.admission import NOT_NEEDED, Admission, Admitted, Refused
+from enrichq_service.worker.admission import NOT_NEEDED, Admission, Admitted, Refused, Withdrawn
 from enrichq_service.worker.lifecycle import Held, Jobs
 from enrichq_service.worker.settler import Settlement
 
@@ -145,29 +147,37 @@ class Runner:
                 self._busy -= 1
 
     def _run(self, unit: list[Held]) -> None:
-        started = self._jobs.start(unit)
         ready: list[Held] = []
-        for held in started:
+        for held in unit:
             problem = _precheck(held)
             if problem is None:
                 ready.append(held)
             else:
-                self._hand_off(held, _settlement_for(held, problem, None), finished=True)
+                self._hand_off(held, _settlement_for(held, problem, None), finished=False)
         if not ready:
             return
-        deadline = min(h.deadline for h in ready)
-        # set when the whole unit is abandoned or lost: waits end, the lookup is told to stop
+        # set when the whole unit is deferred, abandoned or lost: waits end, the lookup is
+        # told to stop
         cancelled = threading.Event()
         with self._jobs.interruptible(ready, cancelled.set):
+            # admitted before the jobs start: waiting for a slot is not running, and a job
+            # whose deadline passes meanwhile is deferred with its attempt given back
             try:
                 admitted = self._admission.admit(cancelled)
+            except Withdrawn:
+                return
             except Refused as exc:
                 if exc.reason == "budget":
                     self._on_budget_refused()
                 for held in ready:
-                    self._hand_off(held, _settlement_for(held, exc, None), finished=True)
+                    self._hand_off(held, _settlement_for(held, exc, None), finished=False)
                 return
-            outcomes, lookups = self._enrich(ready, admitted, deadline, cancelled)
+            started = self._jobs.start(ready)
+            if not started:
+                self._admission.give_back(admitted)
+                return
+            deadline = min(h.deadline for h in started)
+            outcomes, lookups = self._enrich(started, admitted, deadline, cancelled)
         for outcome in outcomes:
             lookup = lookups.get(outcome.held.id)
             self._hand_off(
