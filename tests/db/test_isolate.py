@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -292,3 +293,27 @@ def test_only_a_keyboard_interrupt_a_sigint_may_have_raised_stops_the_caller(db_
         thread.start()
         thread.join()
     assert isinstance(out[0]["T-1"], PluginAborted)
+
+
+def test_the_query_of_a_child_past_its_deadline_is_gone_from_the_server_when_the_call_returns(
+    db_url: str, db_engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the same for a child killed because its attempt's time ran out
+    monkeypatch.setenv("ENRICHQ_TEST_SLOW_SECONDS", "600")
+    settings = make_settings(db_url, enricher="tests.support.enrichers:slow_query")
+    seen: list[int] = []
+    thread = threading.Thread(
+        target=lambda: seen.append(
+            wait_for(lambda: isolated_sleepers(db_engine), timeout=60, what="the child's query")
+        )
+    )
+    thread.start()
+    try:
+        with warehouse(settings, db_url) as engine:
+            context = EnrichContext(settings, engine, deadline=time.monotonic() + 10)
+            outcomes = enrich_in_child(context, [ticket("T-1")])
+        assert "isolated enrichment ran past" in str(outcomes["T-1"])
+        assert isolated_sleepers(db_engine) == 0
+    finally:
+        thread.join()
+    assert seen  # the query did run before the deadline
