@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import signal
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -153,6 +154,43 @@ def choose(settings: Settings) -> EnricherChoice:
     return EnricherChoice(None, load_batch_enricher(path), settings.lookup_batch_size)
 
 
+# What the error of a plug-in call that raised a BaseException begins with (the claim loop
+# retries such a job as a suspect, in a child process: `isolate.is_suspect`).
+ABORTED = "the enricher raised a BaseException"
+
+
+class PluginAborted(TransientError):
+    """The plug-in raised a BaseException that is not an Exception (asyncio's
+    CancelledError, a library's KeyboardInterrupt or SystemExit): that call's tickets'
+    error, retried, never the process's. `shared`: the call was for several tickets (a
+    batch), so which of them caused it is not known."""
+
+    def __init__(self, message: str, *, shared: bool = False) -> None:
+        super().__init__(message)
+        self.shared = shared
+
+    @classmethod
+    def of(cls, exc: BaseException, *, shared: bool) -> PluginAborted:
+        """The error of a call that raised `exc`."""
+        return cls(f"{ABORTED} ({error_text(exc)})", shared=shared)
+
+
+def _plugin_error(exc: BaseException, *, shared: bool) -> BaseException:
+    """What a plug-in call that raised `exc` comes to for its tickets: an Exception as it
+    is, any other BaseException as PluginAborted. Only a KeyboardInterrupt that a SIGINT
+    to this process may have raised (in the main thread, under Python's default SIGINT
+    handler) is not the plug-in's: it goes on up, as an interrupt of the process."""
+    if isinstance(exc, Exception):
+        return exc
+    if (
+        isinstance(exc, KeyboardInterrupt)
+        and threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    ):
+        raise exc
+    return PluginAborted.of(exc, shared=shared)
+
+
 class Missing(TransientError):
     """The batch enricher returned nothing for this ticket."""
 
@@ -162,21 +200,24 @@ def enrich_all(
 ) -> dict[str, object]:
     """Each ticket's outcome, by ticket id, from the plug-in as it came (a result, not yet
     validated, or an exception): a batch enricher is called once for them all, and a call
-    that raises is every ticket's outcome; a per-ticket enricher once per ticket. Used
-    alike in the worker and in an isolated child."""
+    that raises is every ticket's outcome; a per-ticket enricher once per ticket. A call
+    that raises a BaseException that is not an Exception gets PluginAborted (`_plugin_error`):
+    the plug-in's failure, never the caller's. Used alike in the worker and in an isolated
+    child."""
     if choice.per_ticket is not None:
         outcomes: dict[str, object] = {}
         for ticket in tickets:
             try:
                 outcomes[ticket.id] = choice.per_ticket(ticket, context)
-            except Exception as exc:
-                outcomes[ticket.id] = exc
+            except BaseException as exc:
+                outcomes[ticket.id] = _plugin_error(exc, shared=False)
         return outcomes
     assert choice.batch is not None
     try:
         results = choice.batch(tickets, context)
-    except Exception as exc:
-        return {t.id: exc for t in tickets}
+    except BaseException as exc:
+        error = _plugin_error(exc, shared=len(tickets) > 1)
+        return {t.id: error for t in tickets}
     if not isinstance(results, Mapping):
         bad = PermanentError(f"the batch enricher returned {type(results).__name__}, not a mapping")
         return {t.id: bad for t in tickets}

@@ -10,6 +10,7 @@ the database clock; a heartbeat never calls a settled job lost.
 
 from __future__ import annotations
 
+import signal
 import threading
 import uuid
 from collections.abc import Iterator
@@ -515,3 +516,81 @@ def test_the_old_claims_settle_does_not_drop_the_rows_newer_claim(
     token, after = _lease_of(db_engine)
     assert token == new.job.claim_token
     assert after > before
+
+
+# -- 8. a lookup still running when the worker stops is logged and charged all the same
+
+
+@pytest.mark.parametrize("stop_by", ["sigterm", "time_budget"])
+def test_a_lookup_that_finishes_during_shutdown_is_logged_and_charged(
+    db_url: str, db_engine: sa.Engine, tmp_path: Path, stop_by: str
+) -> None:
+    """The plug-in ignores cancellation and returns 3 s after the stop, long past the grace
+    period: its lookup is logged and charged once, and its warehouse slot released."""
+    [key] = seeded(db_engine, 1)
+    started = tmp_path / "started"
+    started.mkdir()
+    log = tmp_path / "w.log"
+    args = ["worker", "--time-budget", "1"] if stop_by == "time_budget" else ["worker"]
+    worker = spawn(
+        args,
+        enrichq_env(
+            db_url,
+            enricher="tests.support.enrichers:ignores_cancellation",
+            ENRICHQ_TEST_SLOW_SECONDS=4,
+            ENRICHQ_TEST_STARTED_DIR=started,
+            warehouse_max_concurrency=1,
+            shutdown_grace_seconds=0.5,
+        ),
+        log=log,
+    )
+    try:
+        wait_for((started / key).exists, what="the lookup to start")
+        if stop_by == "sigterm":
+            worker.send_signal(signal.SIGTERM)
+        assert worker.wait(60) == 0, log.read_text()
+    finally:
+        stop(worker)
+    assert q(db_engine, "SELECT job_id, bytes_billed, status FROM enrichq.lookup_log") == [
+        (f"late-{key}", 500, "ok")
+    ]
+    assert q(db_engine, "SELECT bytes_billed, lookups FROM enrichq.budget_ledger") == [(500, 1)]
+    assert q(db_engine, "SELECT count(*) FROM enrichq.lookups_in_flight") == [(0,)]
+    # the attempt itself was given up at the end of the grace: retried, its result unwritten
+    assert q(db_engine, "SELECT state, attempts FROM enrichq.queue") == [("queued", 1)]
+    assert q(db_engine, "SELECT count(*) FROM enrichq.ticket_orders") == [(0,)]
+
+
+def test_a_lookup_that_outlives_the_stop_is_recorded_as_ran_at_an_unknown_cost(
+    db_url: str, db_engine: sa.Engine, tmp_path: Path
+) -> None:
+    """The plug-in hangs, deaf to cancellation, for ten minutes: the worker does not wait
+    for it. Its lookup is recorded as run, its cost unknown, and its slot is released."""
+    [key] = seeded(db_engine, 1)
+    started = tmp_path / "started"
+    started.mkdir()
+    log = tmp_path / "w.log"
+    worker = spawn(
+        ["worker"],
+        enrichq_env(
+            db_url,
+            enricher="tests.support.enrichers:ignores_cancellation",
+            ENRICHQ_TEST_SLOW_SECONDS=600,
+            ENRICHQ_TEST_STARTED_DIR=started,
+            warehouse_max_concurrency=1,
+            shutdown_grace_seconds=0.5,
+        ),
+        log=log,
+    )
+    try:
+        wait_for((started / key).exists, what="the lookup to start")
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(60) == 0, log.read_text()
+    finally:
+        stop(worker)
+    [(status, error)] = q(db_engine, "SELECT status, error FROM enrichq.lookup_log")
+    assert status == "error"
+    assert "its cost is unknown" in error
+    assert q(db_engine, "SELECT lookups FROM enrichq.budget_ledger") == [(1,)]
+    assert q(db_engine, "SELECT count(*) FROM enrichq.lookups_in_flight") == [(0,)]
+    assert q(db_engine, "SELECT state, attempts FROM enrichq.queue") == [("queued", 1)]

@@ -358,3 +358,60 @@ def bad_in_batch(
         else:
             out[t.id] = Enrichment((Order(f"O-{t.id}"),), job_id="batch-job", bytes_billed=1000)
     return out
+
+
+# -- plug-ins that misbehave towards their process (issue 25)
+
+BASE_EXCEPTIONS = ("cancelled", "keyboard_interrupt", "system_exit")
+
+
+def raises_base_exception(ticket: Ticket, context: EnrichContext) -> Enrichment:
+    """Tickets whose id starts with 'B' raise the BaseException (not an Exception) named by
+    ENRICHQ_TEST_BASE_KIND, one of BASE_EXCEPTIONS, as a library may (asyncio's
+    CancelledError, a KeyboardInterrupt or SystemExit of its own); the others get `tagged`."""
+    if ticket.id.startswith("B"):
+        kind = os.environ.get("ENRICHQ_TEST_BASE_KIND", "cancelled")
+        if kind == "cancelled":
+            import asyncio
+
+            raise asyncio.CancelledError("the library's event loop went away")
+        if kind == "keyboard_interrupt":
+            raise KeyboardInterrupt("raised by a library, not a signal")
+        raise SystemExit(3)
+    return tagged(ticket, context)
+
+
+def raises_base_exception_batch(
+    tickets: Sequence[Ticket], context: EnrichContext
+) -> Mapping[str, Enrichment]:
+    """The batch form: the call raises ENRICHQ_TEST_BASE_KIND's BaseException when its
+    batch holds a ticket whose id starts with 'B'; otherwise `tagged` for each."""
+    for t in tickets:
+        if t.id.startswith("B"):
+            raises_base_exception(t, context)
+    return {t.id: tagged(t, context) for t in tickets}
+
+
+STDOUT_NOISE = "a plug-in's chatter on stdout"
+
+
+def prints_to_stdout(ticket: Ticket, context: EnrichContext) -> Enrichment:
+    """Prints to stdout, through Python and straight to fd 1 (as a C library would), then
+    returns `tagged` (1,000 bytes billed)."""
+    import sys
+
+    print(f"{STDOUT_NOISE} (print) {{not json")
+    sys.stdout.flush()
+    os.write(1, f"{STDOUT_NOISE} (fd 1)\n".encode())
+    return tagged(ticket, context)
+
+
+def ignores_cancellation(ticket: Ticket, context: EnrichContext) -> Enrichment:
+    """Marks its start in ENRICHQ_TEST_STARTED_DIR, then sleeps ENRICHQ_TEST_SLOW_SECONDS
+    deaf to cancellation, and bills 500 bytes."""
+    marker = os.environ.get("ENRICHQ_TEST_STARTED_DIR")
+    if marker:
+        with open(os.path.join(marker, ticket.id), "w") as f:
+            f.write(str(os.getpid()))
+    time.sleep(float(os.environ.get("ENRICHQ_TEST_SLOW_SECONDS", "3")))
+    return Enrichment((Order(f"O-{ticket.id}"),), job_id=f"late-{ticket.id}", bytes_billed=500)

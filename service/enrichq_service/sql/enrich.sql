@@ -168,3 +168,11 @@ SELECT coalesce((SELECT bytes_billed FROM enrichq.budget_ledger
        timezone('UTC', CAST(date_trunc('day', timezone('UTC',
            coalesce(CAST(:now AS timestamptz), now()))) + interval '1 day' AS timestamp))
            AS resets_at;
+
+
+-- name: isolate_end_child_sessions
+-- Ends the sessions of the isolated child named :name (its application_name), waiting up
+-- to :timeout_ms for each to be gone; one row per session, gone true once it is.
+SELECT a.pid, pg_terminate_backend(a.pid, CAST(:timeout_ms AS bigint)) AS gone
+FROM pg_stat_activity AS a
+WHERE a.application_name = :name AND a.pid <> pg_backend_pid();
