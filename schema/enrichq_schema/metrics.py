@@ -69,7 +69,7 @@ warehouse_slot_waits_total = Counter(
 )
 warehouse_deferrals_total = Counter(
     "enrichq_warehouse_deferrals_total",
-    "Lookups refused admission, their jobs deferred, by reason (budget, cap).",
+    "Lookups refused admission, their jobs deferred, by reason (budget, cap, estimate).",
     ["reason"],
 )
 
@@ -141,7 +141,7 @@ def start_counters_at_zero(kinds: tuple[str, ...]) -> None:
         fenced_writes_refused_total.labels(operation)
     for status in ("ok", "empty", "not_found", "error", "deferred"):
         lookups_total.labels(status)
-    for reason in ("budget", "cap"):
+    for reason in ("budget", "cap", "estimate"):
         warehouse_deferrals_total.labels(reason)
     for thread in ("claims", "runner", "settler", "heartbeat", "listener"):
         worker_errors_total.labels(thread)

@@ -14,9 +14,6 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 from pydantic import (
     Field,
-    NonNegativeFloat,
-    NonNegativeInt,
-    PositiveFloat,
     SecretStr,
     ValidationError,
     ValidationInfo,
@@ -67,8 +64,45 @@ NETWORK_TIMEOUT_SECONDS_DEFAULT = 10
 NETWORK_TIMEOUT_SECONDS_MAX = 600
 # one part of a warehouse table's name; every part is quoted by the warehouse's dialect
 WAREHOUSE_NAME_PART = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+
+# -- bounded numbers: one type per kind of number. Every number is finite (pydantic lets
+# "inf" and "nan" through a float unless told not to) and bounded to what the database and
+# the OS accept where it is used, so a value that would break later is refused at start-up.
+
+# PostgreSQL takes statement_timeout and idle_in_transaction_session_timeout in whole
+# milliseconds of a 32-bit integer, and a duration may become one (the attempt deadline is
+# a lookup's statement timeout, the lease a session's idle-in-transaction timeout): at most
+# 2^31-1 ms, 24.8 days. Intervals (make_interval), timestamps (now() + a delay), Python's
+# waits (threading.TIMEOUT_MAX) and APScheduler's intervals all take far more.
+MILLISECONDS_MAX = 2**31 - 1
+SECONDS_MAX = MILLISECONDS_MAX // 1000
+# a positive duration is at least a millisecond: a shorter one rounds to 0 ms, which
+# PostgreSQL reads as "no timeout at all"
+SECONDS_MIN = 0.001
+# a retention period: a century
+DAYS_MAX = 36_500
+# a period in hours (a parity run's age, the parity period): a leap year
+HOURS_MAX = 24 * 366
+# bytes a day: the budget ledger's bigint
+BIGINT_MAX = 2**63 - 1
+# an HTTP request body: 1 GiB, far beyond any help desk's event
+BODY_BYTES_MAX = 2**30
+# a signed webhook's accepted clock skew: an hour (senders sign with the current time;
+# Zendesk, Stripe and Standard Webhooks accept 5 minutes); past that a captured request
+# could be replayed long after it was sent
+WEBHOOK_TOLERANCE_SECONDS_MAX = 3600
+
+# a duration in seconds that may become a millisecond setting: 1 ms to 24.8 days
+Seconds = Annotated[float, Field(ge=SECONDS_MIN, le=SECONDS_MAX, allow_inf_nan=False)]
+# a duration in seconds where 0 means none (a delay, a grace period, a backoff)
+SecondsOrZero = Annotated[float, Field(ge=0, le=SECONDS_MAX, allow_inf_nan=False)]
+# a retention period in days
+Days = Annotated[float, Field(gt=0, le=DAYS_MAX, allow_inf_nan=False)]
+# a period in hours; HoursOrZero: 0 = never
+Hours = Annotated[float, Field(gt=0, le=HOURS_MAX, allow_inf_nan=False)]
+HoursOrZero = Annotated[float, Field(ge=0, le=HOURS_MAX, allow_inf_nan=False)]
 # a share of a whole, 0 to 1 (the parity bars)
-Fraction = Annotated[float, Field(ge=0, le=1)]
+Fraction = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 # a TCP port; 0 = one the system picks
 Port = Annotated[int, Field(ge=0, le=65535)]
 
@@ -110,43 +144,43 @@ class Settings(BaseSettings):
     """session, or transaction behind a transaction pooler (PgBouncer): settings per transaction,
     nothing prepared, sweeper leadership by a lease row.
     """
-    network_timeout_seconds: Annotated[float, Field(ge=0, le=NETWORK_TIMEOUT_SECONDS_MAX)] = (
-        NETWORK_TIMEOUT_SECONDS_DEFAULT
-    )
+    network_timeout_seconds: Annotated[
+        float, Field(ge=0, le=NETWORK_TIMEOUT_SECONDS_MAX, allow_inf_nan=False)
+    ] = NETWORK_TIMEOUT_SECONDS_DEFAULT
     """How long a dead network or a silent server may go unnoticed (keepalives, tcp_user_timeout,
     connect_timeout, reply waits); 0 = libpq's defaults.
     """
     mode: Mode = Mode.SHADOW
     """shadow (default) or live."""
-    lease_seconds: PositiveFloat = LEASE_SECONDS_DEFAULT
+    lease_seconds: Seconds = LEASE_SECONDS_DEFAULT
     """Lease length."""
-    heartbeat_seconds: PositiveFloat = HEARTBEAT_SECONDS_DEFAULT
+    heartbeat_seconds: Seconds = HEARTBEAT_SECONDS_DEFAULT
     """Heartbeat period; < lease/2."""
-    delay_created_seconds: NonNegativeFloat = DELAY_CREATED_SECONDS_DEFAULT
+    delay_created_seconds: SecondsOrZero = DELAY_CREATED_SECONDS_DEFAULT
     """Visibility delay, new ticket."""
-    delay_updated_seconds: NonNegativeFloat = DELAY_UPDATED_SECONDS_DEFAULT
+    delay_updated_seconds: SecondsOrZero = DELAY_UPDATED_SECONDS_DEFAULT
     """Visibility delay, activity."""
     max_attempts: int = Field(default=MAX_ATTEMPTS_DEFAULT, ge=1, le=100, description="Claims.")
-    backoff_base_seconds: NonNegativeFloat = BACKOFF_BASE_SECONDS_DEFAULT
+    backoff_base_seconds: SecondsOrZero = BACKOFF_BASE_SECONDS_DEFAULT
     """Retry backoff base."""
-    backoff_cap_seconds: NonNegativeFloat = BACKOFF_CAP_SECONDS_DEFAULT
+    backoff_cap_seconds: SecondsOrZero = BACKOFF_CAP_SECONDS_DEFAULT
     """Retry backoff cap."""
-    attempt_deadline_seconds: PositiveFloat = ATTEMPT_DEADLINE_SECONDS_DEFAULT
+    attempt_deadline_seconds: Seconds = ATTEMPT_DEADLINE_SECONDS_DEFAULT
     """One attempt's time limit."""
-    sweep_interval_seconds: PositiveFloat = SWEEP_INTERVAL_SECONDS_DEFAULT
+    sweep_interval_seconds: Seconds = SWEEP_INTERVAL_SECONDS_DEFAULT
     """Lease recovery period."""
-    poll_seconds: PositiveFloat = POLL_SECONDS_DEFAULT
+    poll_seconds: Seconds = POLL_SECONDS_DEFAULT
     """Backstop poll when no NOTIFY arrives."""
-    priority_aging_seconds: PositiveFloat = PRIORITY_AGING_SECONDS_DEFAULT
+    priority_aging_seconds: Seconds = PRIORITY_AGING_SECONDS_DEFAULT
     """Seconds a queued row waits visible to rise one plan level in the claim."""
     concurrency: int = Field(
         default=CONCURRENCY_DEFAULT, ge=1, le=1024, description="Jobs in flight per worker."
     )
-    retention_days: PositiveFloat = RETENTION_DAYS_DEFAULT
+    retention_days: Days = RETENTION_DAYS_DEFAULT
     """Keep done/failed rows this long."""
-    dead_letter_retention_days: PositiveFloat = DEAD_LETTER_RETENTION_DAYS_DEFAULT
+    dead_letter_retention_days: Days = DEAD_LETTER_RETENTION_DAYS_DEFAULT
     """Keep dead letters."""
-    daily_bytes_budget: NonNegativeInt = 0
+    daily_bytes_budget: Annotated[int, Field(ge=0, le=BIGINT_MAX)] = 0
     """Warehouse bytes billed per UTC day; 0 = no budget."""
     enricher: str | None = None
     """package.module:function of a per-ticket enrichment (not the batch one)."""
@@ -170,14 +204,19 @@ class Settings(BaseSettings):
     """HMAC keys of POST /v1/events, comma-separated (any one verifies, for rotation); unset
     refuses every event.
     """
-    webhook_tolerance_seconds: PositiveFloat = 300
+    webhook_tolerance_seconds: Annotated[
+        float, Field(ge=SECONDS_MIN, le=WEBHOOK_TOLERANCE_SECONDS_MAX, allow_inf_nan=False)
+    ] = 300
     """Accepted clock skew of a signed event's timestamp."""
-    event_dedupe_hours: Annotated[float, Field(gt=0, le=EVENT_DEDUPE_HOURS_MAX)] = (
-        EVENT_DEDUPE_HOURS_DEFAULT
-    )
+    event_dedupe_hours: Annotated[
+        float, Field(gt=0, le=EVENT_DEDUPE_HOURS_MAX, allow_inf_nan=False)
+    ] = EVENT_DEDUPE_HOURS_DEFAULT
     """A webhook event id seen this recently is a redelivery: acknowledged, not enqueued again."""
     max_body_bytes: int = Field(
-        default=1_048_576, ge=1024, description="Largest accepted POST /v1/events body."
+        default=1_048_576,
+        ge=1024,
+        le=BODY_BYTES_MAX,
+        description="Largest accepted POST /v1/events body.",
     )
     http_host: str = "0.0.0.0"  # noqa: S104 -- a service listens on all interfaces in its container
     """Address `serve` binds."""
@@ -185,13 +224,13 @@ class Settings(BaseSettings):
     """HTTP port."""
     metrics_port: Port = METRICS_PORT_DEFAULT
     """/metrics without HTTP server."""
-    shutdown_grace_seconds: NonNegativeFloat = 30
+    shutdown_grace_seconds: SecondsOrZero = 30
     """How long in-flight work may finish on SIGTERM."""
-    refresh_interval_seconds: PositiveFloat = 3600
+    refresh_interval_seconds: Seconds = 3600
     """How often the sweeper enqueues refresh work."""
-    parity_grace_seconds: NonNegativeFloat = 3600
+    parity_grace_seconds: SecondsOrZero = 3600
     """Extra age past the visibility delay before parity."""
-    parity_interval_hours: NonNegativeFloat = 0
+    parity_interval_hours: HoursOrZero = 0
     """Sweeper runs parity this often; 0 = never."""
     parity_min_order_coverage: Fraction = PARITY_MIN_ORDER_COVERAGE_DEFAULT
     """Parity pass bar: |shadow ∩ legacy| / |legacy| over the orders."""
@@ -199,12 +238,12 @@ class Settings(BaseSettings):
     """Below it the report marks how often both flows agree; not a pass bar."""
     parity_max_shadow_fault_rate: Fraction = PARITY_MAX_SHADOW_FAULT_RATE_DEFAULT
     """Parity pass bar: tickets that are enrichq's fault / tickets compared."""
-    parity_max_age_hours: PositiveFloat = PARITY_MAX_AGE_HOURS_DEFAULT
+    parity_max_age_hours: Hours = PARITY_MAX_AGE_HOURS_DEFAULT
     """Cutover needs a younger run."""
     parity_concurrency: int = Field(
         default=2, ge=1, le=16, description="Days parity compares at once, a connection each."
     )
-    statement_timeout_seconds: PositiveFloat = 30
+    statement_timeout_seconds: Seconds = 30
     """Limit on every statement of the sweeper and parity."""
     log_level: str = "INFO"
     """Python logging level."""

@@ -255,6 +255,7 @@ lookup_log = sa.Table(
 # ENRICHQ_WAREHOUSE_MAX_CONCURRENCY and the bytes it reserved against the daily budget, from
 # its admission to the settle that charges it. A row whose owner stopped heartbeating
 # expires one lease later (admissions count only live rows); retention deletes those.
+# Rows are admitted by the function enrichq.admission_take (migration 0015), one statement.
 lookups_in_flight = sa.Table(
     "lookups_in_flight",
     metadata,

@@ -22,22 +22,21 @@ if TYPE_CHECKING:
     from rich.table import Table
 
 # Refused in ticket ids, tenants and event ids: control characters (C0, DEL, C1: escapes,
-# newlines, NUL) and format characters (zero-width and bidirectional marks, which make
-# two different ids look alike or reorder what a terminal shows).
-REFUSED_CATEGORIES = frozenset({"Cc", "Cf"})
+# newlines, NUL), format characters (zero-width and bidirectional marks, which make two
+# different ids look alike or reorder what a terminal shows) and lone surrogates (what
+# `bytes.decode("utf-8", "surrogateescape")` makes of bytes that are not UTF-8: no UTF-8
+# text, so no PostgreSQL text, can hold one, and the driver refuses to send it).
+REFUSED_CATEGORIES = frozenset({"Cc", "Cf", "Cs"})
 # Escaped when shown: the refused ones, and the separators some viewers break lines on.
 ESCAPED_CATEGORIES = REFUSED_CATEGORIES | {"Zl", "Zp"}
 
 
 def unsafe_character(value: str) -> str | None:
-    """The first control or format character of `value` as ``U+XXXX``, or a lone surrogate
-    (a byte that was not UTF-8) as ``not valid UTF-8``, or None."""
+    """The first refused character of `value` (control, format, lone surrogate) as
+    ``U+XXXX``, or None."""
     for char in value:
-        category = unicodedata.category(char)
-        if category in REFUSED_CATEGORIES:
+        if unicodedata.category(char) in REFUSED_CATEGORIES:
             return f"U+{ord(char):04X}"
-        if category == "Cs":
-            return f"U+{ord(char):04X}, not valid UTF-8"
     return None
 
 
@@ -111,7 +110,10 @@ def error_line(exc: BaseException, limit: int) -> str:
     NUL or control characters left (they reach a row's last_error, logs and terminals). A
     driver error wrapped by SQLAlchemy is shown as the driver's, without the SQL."""
     orig = getattr(exc, "orig", None) or exc
-    lines = str(orig).strip().splitlines()
+    try:
+        lines = str(orig).strip().splitlines()
+    except Exception:  # a plug-in's exception whose __str__ itself raises
+        lines = ["(its message could not be read)"]
     return printable(f"{type(orig).__name__}: {lines[0] if lines else ''}")[:limit]
 
 

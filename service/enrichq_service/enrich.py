@@ -12,16 +12,19 @@ The enrichment is a plug-in, in one of two forms:
 Either raises ``TransientError`` (retry), ``PermanentError`` (fail) or ``Deferral`` (defer
 until a time); anything else counts as transient. A plug-in's result is checked where it
 enters (`validate`): a result of the wrong shape, a NUL byte, an over-long id or a total
-that is not a number fails that job alone, with the field named, before anything reaches
-the database. The built-in enrichment, `warehouse_lookup_batch` (the default), runs one
-warehouse query for a whole batch through SQLAlchemy's expanding bind parameters, so the
-same statement runs on every dialect; `warehouse_lookup` is its per-ticket form.
+that is not a number, text PostgreSQL cannot hold (a lone surrogate, as
+``bytes.decode("utf-8", "surrogateescape")`` makes) or a bill over `BYTES_MAX` fails that
+job alone, with the field named, before anything reaches the database. The built-in
+enrichment, `warehouse_lookup_batch` (the default), runs one warehouse query for a whole
+batch through SQLAlchemy's expanding bind parameters, so the same statement runs on every
+dialect; `warehouse_lookup` is its per-ticket form.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import signal
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -44,8 +47,15 @@ from enrichq_service.errors import PermanentError, TransientError
 
 SQL = load("enrichq_service", "sql/enrich.sql")
 ID_MAX_LENGTH = 1000  # order, customer and warehouse job ids
-BYTES_MAX = 2**63 - 1  # bytes billed is a bigint
+# The most bytes one lookup may bill: a pebibyte (2^50). No warehouse bills a query
+# anywhere near it (BigQuery's on-demand price makes it a six-figure query), and a day's
+# ledger of 2^13 such lookups still fits its bigint. A larger figure is a plug-in's bug
+# (a sentinel, an overflow): it fails that job alone and is charged as nothing.
+BYTES_MAX = 2**50
 ERROR_MAX_LENGTH = 4000
+# PostgreSQL's numeric (a total): at most 131072 digits before the decimal point, 16383 after
+NUMERIC_DIGITS_MAX = 131_071  # the largest exponent of a leading digit
+NUMERIC_SCALE_MAX = 16_383
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +154,43 @@ def choose(settings: Settings) -> EnricherChoice:
     return EnricherChoice(None, load_batch_enricher(path), settings.lookup_batch_size)
 
 
+# What the error of a plug-in call that raised a BaseException begins with (the claim loop
+# retries such a job as a suspect, in a child process: `isolate.is_suspect`).
+ABORTED = "the enricher raised a BaseException"
+
+
+class PluginAborted(TransientError):
+    """The plug-in raised a BaseException that is not an Exception (asyncio's
+    CancelledError, a library's KeyboardInterrupt or SystemExit): that call's tickets'
+    error, retried, never the process's. `shared`: the call was for several tickets (a
+    batch), so which of them caused it is not known."""
+
+    def __init__(self, message: str, *, shared: bool = False) -> None:
+        super().__init__(message)
+        self.shared = shared
+
+    @classmethod
+    def of(cls, exc: BaseException, *, shared: bool) -> PluginAborted:
+        """The error of a call that raised `exc`."""
+        return cls(f"{ABORTED} ({error_text(exc)})", shared=shared)
+
+
+def _plugin_error(exc: BaseException, *, shared: bool) -> BaseException:
+    """What a plug-in call that raised `exc` comes to for its tickets: an Exception as it
+    is, any other BaseException as PluginAborted. Only a KeyboardInterrupt that a SIGINT
+    to this process may have raised (in the main thread, under Python's default SIGINT
+    handler) is not the plug-in's: it goes on up, as an interrupt of the process."""
+    if isinstance(exc, Exception):
+        return exc
+    if (
+        isinstance(exc, KeyboardInterrupt)
+        and threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    ):
+        raise exc
+    return PluginAborted.of(exc, shared=shared)
+
+
 class Missing(TransientError):
     """The batch enricher returned nothing for this ticket."""
 
@@ -153,21 +200,24 @@ def enrich_all(
 ) -> dict[str, object]:
     """Each ticket's outcome, by ticket id, from the plug-in as it came (a result, not yet
     validated, or an exception): a batch enricher is called once for them all, and a call
-    that raises is every ticket's outcome; a per-ticket enricher once per ticket. Used
-    alike in the worker and in an isolated child."""
+    that raises is every ticket's outcome; a per-ticket enricher once per ticket. A call
+    that raises a BaseException that is not an Exception gets PluginAborted (`_plugin_error`):
+    the plug-in's failure, never the caller's. Used alike in the worker and in an isolated
+    child."""
     if choice.per_ticket is not None:
         outcomes: dict[str, object] = {}
         for ticket in tickets:
             try:
                 outcomes[ticket.id] = choice.per_ticket(ticket, context)
-            except Exception as exc:
-                outcomes[ticket.id] = exc
+            except BaseException as exc:
+                outcomes[ticket.id] = _plugin_error(exc, shared=False)
         return outcomes
     assert choice.batch is not None
     try:
         results = choice.batch(tickets, context)
-    except Exception as exc:
-        return {t.id: exc for t in tickets}
+    except BaseException as exc:
+        error = _plugin_error(exc, shared=len(tickets) > 1)
+        return {t.id: error for t in tickets}
     if not isinstance(results, Mapping):
         bad = PermanentError(f"the batch enricher returned {type(results).__name__}, not a mapping")
         return {t.id: bad for t in tickets}
@@ -215,7 +265,7 @@ def validate(result: object) -> Enrichment:
     job_id = _text(result.job_id, "job_id", required=False)
     billed = result.bytes_billed
     if isinstance(billed, bool) or not isinstance(billed, int) or not 0 <= billed <= BYTES_MAX:
-        raise InvalidResult(f"bytes_billed: expected an integer from 0 to 2^63-1, got {billed!r}")
+        raise InvalidResult(f"bytes_billed: expected an integer from 0 to 2^50, got {billed!r}")
     return Enrichment(checked, job_id=job_id, bytes_billed=billed)
 
 
@@ -257,7 +307,18 @@ def _text(value: object, where: str, *, required: bool) -> str | None:
         raise InvalidResult(f"{where}: must be 1 to {ID_MAX_LENGTH} characters")
     if "\x00" in value:
         raise InvalidResult(f"{where}: contains a NUL byte")
+    if (surrogate := _surrogate(value)) is not None:
+        raise InvalidResult(f"{where}: contains a lone surrogate ({surrogate}), not UTF-8 text")
     return value
+
+
+def _surrogate(value: str) -> str | None:
+    """The first lone surrogate of `value` as ``U+XXXX`` (no UTF-8 text holds one), or None."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"U+{ord(value[exc.start]):04X}"
+    return None
 
 
 def _time(value: object, where: str) -> datetime | None:
@@ -265,7 +326,11 @@ def _time(value: object, where: str) -> datetime | None:
         return None
     if not isinstance(value, datetime):
         raise InvalidResult(f"{where}: expected a datetime, got {type(value).__name__}")
-    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+    try:
+        offset = value.utcoffset()  # what the driver asks when it sends the time
+    except Exception:  # a plug-in's own tzinfo may raise anything
+        raise InvalidResult(f"{where}: its time zone gives no valid UTC offset") from None
+    return value if offset is not None else value.replace(tzinfo=UTC)
 
 
 def _number(value: object, where: str) -> Decimal | None:
@@ -274,11 +339,19 @@ def _number(value: object, where: str) -> Decimal | None:
     if isinstance(value, bool) or not isinstance(value, Decimal | int | float):
         raise InvalidResult(f"{where}: expected a number, got {type(value).__name__}")
     try:
-        number = value if isinstance(value, Decimal) else Decimal(str(value))
-    except InvalidOperation:
+        # an int as it is: str() of one past 4300 digits raises ValueError
+        number = value if isinstance(value, Decimal | int) else Decimal(str(value))
+        number = Decimal(number)
+    except (InvalidOperation, ValueError):
         raise InvalidResult(f"{where}: not a number") from None
     if not number.is_finite() or (isinstance(value, float) and not math.isfinite(value)):
         raise InvalidResult(f"{where}: must be a finite number")
+    if not number:
+        return Decimal(0)  # a zero of any exponent (0E-20000 would overflow numeric)
+    exponent = number.as_tuple().exponent
+    assert isinstance(exponent, int)  # a finite number's is
+    if number.adjusted() > NUMERIC_DIGITS_MAX or exponent < -NUMERIC_SCALE_MAX:
+        raise InvalidResult(f"{where}: out of the range PostgreSQL's numeric holds")
     return number
 
 

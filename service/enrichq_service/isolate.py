@@ -15,37 +15,59 @@ flight comes back one, though no process died. One child per suspect, one after 
 made that recovery cost a process start-up per job, long enough under load for the leases
 to lapse again and the queue to stall; one child per unit costs about one more lookup.
 
+A plug-in call that raises a BaseException that is not an Exception (`PluginAborted`)
+is treated alike: it is its tickets' transient error, and when the call was for several
+tickets (a batch) they are halved until the call that raises holds one ticket alone.
+
 A child has until the attempt's deadline, and is killed as soon as every job it enriches
-is abandoned or lost (`EnrichContext.interruptible`).
+is abandoned or lost (`EnrichContext.interruptible`). A child that ends without answering
+(killed, past its time, dead on its own) may leave its warehouse query running on the
+server: on PostgreSQL its sessions (named after the child, `application_name`) are ended,
+and the call waits for them to be gone, before it returns and the lookup's slot under
+ENRICHQ_WAREHOUSE_MAX_CONCURRENCY is released.
+
+A child ignores SIGINT and SIGTERM: a graceful stop signalled to the worker's whole
+process group (systemd's KillMode=control-group, Ctrl-C in a terminal) is its parent's to
+carry out, which kills the child at the end of its grace period if it has not answered.
 
 The parent sends the settings, the time left and the tickets as JSON on stdin; the child
-answers one JSON object on stdout: each ticket's enrichment, or the kind of error the
-enricher gave for it.
+answers one JSON object on its stdout pipe, which it keeps to itself: before any plug-in
+runs it moves that pipe to a descriptor of its own and points fd 1 at stderr, so what a
+plug-in prints lands in the worker's log, never in the answer.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
+import sqlalchemy as sa
+
 from enrichq_schema.connections import warehouse_engine
 from enrichq_schema.settings import Settings
 from enrichq_schema.states import LEASE_EXPIRED_ERROR
 from enrichq_service.enrich import (
+    ABORTED,
+    SQL,
     EnrichContext,
     Enrichment,
     Order,
+    PluginAborted,
     Ticket,
     choose,
     enrich_all,
+    error_text,
     validate,
 )
 from enrichq_service.errors import Deferral, PermanentError, TransientError
@@ -56,6 +78,12 @@ CHILD_DIED = "isolated enrichment process died"
 CANCELLED = "isolated enrichment stopped: its attempt was abandoned or its lease lost"
 # the least time a child is given, even past the deadline: enough to start and answer
 MIN_CHILD_SECONDS = 1.0
+# what every isolated child's warehouse sessions are named after (and a suffix of its own)
+APPLICATION_NAME = "enrichq-isolated"
+# how long ending a dead child's warehouse sessions may wait for them to be gone
+END_SESSIONS_SECONDS = 5.0
+# the stop signals of a process group, which a child leaves to its parent
+GROUP_STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
 
 Outcomes = dict[str, Enrichment | BaseException]
 
@@ -63,7 +91,8 @@ Outcomes = dict[str, Enrichment | BaseException]
 def is_suspect(attempts: int, last_error: str | None) -> bool:
     """Did this job's previous attempt end with its process vanishing?"""
     error = last_error or ""
-    return attempts > 1 and (error == LEASE_EXPIRED_ERROR or CHILD_DIED in error)
+    vanished = error == LEASE_EXPIRED_ERROR or CHILD_DIED in error
+    return attempts > 1 and (vanished or ABORTED in error)
 
 
 def enrich_in_child(context: EnrichContext, tickets: Sequence[Ticket]) -> Outcomes:
@@ -72,7 +101,7 @@ def enrich_in_child(context: EnrichContext, tickets: Sequence[Ticket]) -> Outcom
     if not tickets:
         return {}
     try:
-        return _run_child(context, tickets)
+        outcomes = _run_child(context, tickets)
     except _ChildDied as died:
         if len(tickets) == 1:
             return {
@@ -86,11 +115,21 @@ def enrich_in_child(context: EnrichContext, tickets: Sequence[Ticket]) -> Outcom
             len(tickets),
             died.code,
         )
-        half = len(tickets) // 2
-        return {
-            **enrich_in_child(context, tickets[:half]),
-            **enrich_in_child(context, tickets[half:]),
-        }
+    else:
+        aborted = [v for v in outcomes.values() if isinstance(v, PluginAborted) and v.shared]
+        if not aborted or len(tickets) == 1:
+            return outcomes
+        log.warning(
+            "an isolated batch enrichment of %d tickets raised %s: each half gets a process "
+            "of its own",
+            len(tickets),
+            aborted[0],
+        )
+    half = len(tickets) // 2
+    return {
+        **enrich_in_child(context, tickets[:half]),
+        **enrich_in_child(context, tickets[half:]),
+    }
 
 
 class _ChildDied(Exception):
@@ -103,18 +142,26 @@ def _run_child(context: EnrichContext, tickets: Sequence[Ticket]) -> Outcomes:
     """The outcomes of one child that enriches `tickets`; _ChildDied if it dies on its own."""
     seconds = context.remaining_seconds()
     timeout = None if seconds is None else max(MIN_CHILD_SECONDS, seconds)
+    name = f"{APPLICATION_NAME}-{uuid.uuid4().hex[:12]}"
     request = {
         "settings": json.loads(context.settings.model_dump_json()),
         "warehouse_url": context.warehouse.url.render_as_string(hide_password=False),
+        "application_name": name,
         "seconds": timeout,
         "tickets": [_ticket_json(t) for t in tickets],
     }
-    # stderr is the worker's: whatever a dying child says lands in the worker's log
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "enrichq_service.isolate"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-    )
+    # stderr is the worker's: whatever a dying child says lands in the worker's log. The
+    # child starts with the group's stop signals blocked (a blocked mask survives fork and
+    # exec), so none can kill it before it has installed its own handlers for them.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, GROUP_STOP_SIGNALS)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "enrichq_service.isolate"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     stopped = threading.Event()
 
     def stop() -> None:
@@ -127,13 +174,50 @@ def _run_child(context: EnrichContext, tickets: Sequence[Ticket]) -> Outcomes:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
+        _end_sessions(context.warehouse, name)
         return _each(tickets, TransientError(f"isolated enrichment ran past {timeout:g} s"))
     if stopped.is_set():
+        _end_sessions(context.warehouse, name)
         return _each(tickets, TransientError(CANCELLED))
-    if proc.returncode != 0:
+    answers = _answers(out) if proc.returncode == 0 else None
+    if answers is None or not all(t.id in answers for t in tickets):
+        _end_sessions(context.warehouse, name)
         raise _ChildDied(proc.returncode)
-    answers = json.loads(out)["outcomes"]
     return {t.id: _outcome(answers[t.id]) for t in tickets}
+
+
+def _answers(out: bytes) -> dict[str, Any] | None:
+    """Each ticket's answer from a child's output, or None if it gave none (it ended, with
+    exit 0, before answering)."""
+    try:
+        answers = json.loads(out)["outcomes"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return answers if isinstance(answers, dict) else None
+
+
+def _end_sessions(warehouse: sa.Engine, name: str) -> None:
+    """End the warehouse sessions of the child named `name`, and wait (a few seconds at
+    most) for them to be gone: a child killed mid-query leaves its query running on the
+    server, which would otherwise go on beside the lookup its released slot admits next.
+    Only PostgreSQL names its sessions; on other warehouses the child's connections die
+    with it, or cannot be reached from here (BigQuery's jobs run on)."""
+    if warehouse.dialect.name != "postgresql":
+        return
+    try:
+        with warehouse.connect() as conn:
+            ended = conn.execute(
+                SQL("isolate_end_child_sessions"),
+                {"name": name, "timeout_ms": int(END_SESSIONS_SECONDS * 1000)},
+            ).all()
+            conn.commit()
+    except Exception as exc:  # best effort: the statement timeout still bounds the query
+        log.warning("could not end the warehouse sessions of %s: %s", name, error_text(exc))
+        return
+    if not all(r.gone for r in ended):
+        log.warning(
+            "the warehouse sessions of %s were still there after %g s", name, END_SESSIONS_SECONDS
+        )
 
 
 def _each(tickets: Sequence[Ticket], error: BaseException) -> Outcomes:
@@ -149,6 +233,8 @@ def _outcome(answer: dict[str, Any]) -> Enrichment | BaseException:
         return Deferral(datetime.fromisoformat(answer["until"]), answer["message"])
     if error == "transient":
         return TransientError(answer["message"])
+    if error == "aborted":
+        return PluginAborted(answer["message"], shared=bool(answer["shared"]))
     return Enrichment(
         tuple(
             Order(
@@ -194,6 +280,8 @@ def _answer(outcome: object) -> dict[str, Any]:
         return {"error": "defer", "message": str(outcome), "until": outcome.until.isoformat()}
     if isinstance(outcome, PermanentError):
         return {"error": "permanent", "message": str(outcome)}
+    if isinstance(outcome, PluginAborted):
+        return {"error": "aborted", "message": str(outcome), "shared": outcome.shared}
     if isinstance(outcome, BaseException):
         return {"error": "transient", "message": f"{type(outcome).__name__}: {outcome}"}
     try:
@@ -215,15 +303,47 @@ def _answer(outcome: object) -> dict[str, Any]:
     }
 
 
+def _leave_stops_to_the_parent() -> None:
+    """Ignore the stop signals a process group gets (blocked since the fork, see
+    `_run_child`). A handler that does nothing, not SIG_IGN: an ignored signal would stay
+    ignored in the processes a plug-in starts."""
+    for signum in GROUP_STOP_SIGNALS:
+        signal.signal(signum, _ignore)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, GROUP_STOP_SIGNALS)
+
+
+def _ignore(signum: int, frame: object) -> None:
+    log.info("isolated enrichment: %s ignored, its worker stops it", signal.Signals(signum).name)
+
+
+def _answer_channel() -> int:
+    """The pipe the parent reads the answer from, moved off fd 1 to a descriptor that no
+    process started here inherits; fd 1 (and sys.stdout) then write to stderr."""
+    sys.stdout.flush()
+    channel = os.dup(1)
+    try:
+        os.dup2(2, 1)
+    except OSError:  # no stderr to log to: what a plug-in prints is dropped
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.close(devnull)
+    return channel
+
+
 def _child() -> int:
     """The child's side: read the request, run the enricher, write the answer."""
+    _leave_stops_to_the_parent()
+    channel = _answer_channel()
     request = json.loads(sys.stdin.buffer.read())
     settings = Settings.model_validate(request["settings"])
     seconds = request["seconds"]
     deadline = None if seconds is None else time.monotonic() + seconds
     # the worker's pool mode and network timeouts, as for every enrichq engine
     warehouse = warehouse_engine(
-        settings, request["warehouse_url"], application_name="enrichq-isolated", pool_size=1
+        settings,
+        request["warehouse_url"],
+        application_name=request["application_name"],
+        pool_size=1,
     )
     try:
         outcomes = enrich_all(
@@ -233,7 +353,9 @@ def _child() -> int:
         )
     finally:
         warehouse.dispose()
-    sys.stdout.write(json.dumps({"outcomes": {k: _answer(v) for k, v in outcomes.items()}}))
+    answer = json.dumps({"outcomes": {k: _answer(v) for k, v in outcomes.items()}})
+    with os.fdopen(channel, "wb") as out:
+        out.write(answer.encode())
     return 0
 
 

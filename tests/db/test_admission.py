@@ -8,9 +8,15 @@ import uuid
 
 import pytest
 import sqlalchemy as sa
+from prometheus_client import REGISTRY
 from tests.support.settings import make_settings
 
-from enrichq_service.worker.admission import Admission, Admitted, Refused
+from enrichq_schema.db import create_engine
+from enrichq_service.worker.admission import ADMISSION_LOCK_SPACE, Admission, Admitted, Refused
+
+
+def sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
 def in_flight(engine: sa.Engine, owner: str, reserved: int) -> None:
@@ -91,3 +97,67 @@ def test_a_take_made_while_the_first_cost_was_unknown_does_not_admit_a_second_un
     [admitted] = second
     assert isinstance(admitted, Admitted)
     assert (admitted.unknown_cost, admitted.reserved) == (False, 60)
+
+
+def test_no_admission_lock_is_held_while_the_worker_waits_for_a_reply(
+    db_url: str, db_engine: sa.Engine
+) -> None:
+    """After every reply an admission gets, before the worker sends anything else (where a
+    SIGSTOPped worker would stay), another session can take the fleet's admission lock:
+    a frozen worker costs the others nothing (they waited on it until their statement
+    timeout, and exited 1)."""
+    engine = create_engine(db_url, pool_size=1)
+    free_after_reply: list[bool] = []
+
+    def try_the_lock(conn: sa.Connection, cursor: object, statement: str, *args: object) -> None:
+        with db_engine.connect() as other:
+            got = other.execute(
+                sa.text("SELECT pg_try_advisory_lock(:space, 0)"), {"space": ADMISSION_LOCK_SPACE}
+            ).scalar_one()
+            if got:
+                other.execute(
+                    sa.text("SELECT pg_advisory_unlock(:space, 0)"),
+                    {"space": ADMISSION_LOCK_SPACE},
+                )
+            free_after_reply.append(bool(got))
+
+    sa.event.listen(engine, "after_cursor_execute", try_the_lock)
+    try:
+        for settings in (
+            make_settings(db_url, warehouse_max_concurrency=1),
+            make_settings(db_url, daily_bytes_budget=100),
+        ):
+            admission = Admission(engine, settings, "me:1:a")
+            admitted = admission.admit(threading.Event())
+            assert admitted.token is not None
+            admission.release([admitted.token])
+    finally:
+        sa.event.remove(engine, "after_cursor_execute", try_the_lock)
+        engine.dispose()
+    assert free_after_reply
+    assert all(free_after_reply), free_after_reply
+
+
+def test_a_known_cost_of_zero_bytes_is_known(db_url: str, db_engine: sa.Engine) -> None:
+    """The ledger's latest average is 0 bytes a lookup: two lookups are admitted at once,
+    neither of unknown cost (an average of 0 counted as unknown: one at a time, forever)."""
+    spent_today(db_engine, 0, 5)
+    admission = Admission(db_engine, make_settings(db_url, daily_bytes_budget=100), "me:1:a")
+    first = admission.admit(threading.Event())
+    second = admission.admit(threading.Event())
+    assert (first.unknown_cost, first.reserved) == (False, 0)
+    assert (second.unknown_cost, second.reserved) == (False, 0)
+
+
+def test_a_wait_for_a_cost_estimate_is_not_labelled_cap(db_url: str, db_engine: sa.Engine) -> None:
+    """No cap, a budget, nothing known yet: this worker's second lookup waits for its first
+    to learn its cost, and is refused as `estimate` (it said `cap`, with no cap set)."""
+    admission = Admission(db_engine, make_settings(db_url, daily_bytes_budget=100), "me:1:a")
+    first = admission.admit(threading.Event())
+    assert first.unknown_cost
+    before = {r: sample("enrichq_warehouse_deferrals_total", reason=r) for r in ("cap", "estimate")}
+    with pytest.raises(Refused) as refused:
+        admission.admit(threading.Event())
+    assert refused.value.reason == "estimate"
+    after = {r: sample("enrichq_warehouse_deferrals_total", reason=r) for r in ("cap", "estimate")}
+    assert (after["cap"] - before["cap"], after["estimate"] - before["estimate"]) == (0, 1)

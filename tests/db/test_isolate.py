@@ -5,22 +5,38 @@ outcome as the enricher gave it; and it is killed when its attempt is given up."
 from __future__ import annotations
 
 import os
+import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from tests.support.db import q
+from tests.support.enrichers import BASE_EXCEPTIONS, STDOUT_NOISE
 from tests.support.procs import wait_for
 from tests.support.settings import make_settings
 
 from enrichq_schema.connections import warehouse_engine
 from enrichq_schema.settings import Settings
 from enrichq_schema.states import PoolMode
-from enrichq_service.enrich import EnrichContext, Enrichment, Ticket
+from enrichq_service.enrich import (
+    EnrichContext,
+    EnricherChoice,
+    Enrichment,
+    PluginAborted,
+    Ticket,
+    enrich_all,
+)
 from enrichq_service.errors import Deferral, PermanentError, TransientError
-from enrichq_service.isolate import CANCELLED, enrich_in_child
+from enrichq_service.isolate import (
+    CANCELLED,
+    CHILD_DIED,
+    enrich_in_child,
+    is_suspect,
+)
 
 
 def ticket(key: str) -> Ticket:
@@ -118,3 +134,186 @@ def test_a_child_is_killed_when_its_attempt_is_given_up(
     child = int(wait_for(started.read_text, what="the child's pid"))
     with pytest.raises(ProcessLookupError):
         os.kill(child, 0)
+
+
+def test_a_plug_in_that_prints_to_stdout_does_not_corrupt_the_childs_answer(
+    db_url: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # the child's answer travels on a channel of its own; what a plug-in prints goes to
+    # the worker's log (its stderr), not into the answer
+    settings = make_settings(db_url, enricher="tests.support.enrichers:prints_to_stdout")
+    with warehouse(settings, db_url) as engine:
+        outcomes = enrich_in_child(EnrichContext(settings, engine), [ticket("T-1"), ticket("T-2")])
+
+    for key in ("T-1", "T-2"):
+        enrichment = outcomes[key]
+        assert isinstance(enrichment, Enrichment), enrichment
+        assert (enrichment.job_id, enrichment.bytes_billed) == ("job-x", 1000)
+    out, err = capfd.readouterr()
+    assert STDOUT_NOISE not in out
+    assert err.count(STDOUT_NOISE) == 4  # two tickets, print and fd 1 each
+
+
+@pytest.mark.parametrize("kind", BASE_EXCEPTIONS)
+@pytest.mark.parametrize("form", ["per_ticket", "batch"])
+def test_a_base_exception_raised_by_a_plug_in_is_its_tickets_error_alone(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, kind: str, form: str
+) -> None:
+    # asyncio.CancelledError, a library's KeyboardInterrupt or SystemExit is the outcome of
+    # the ticket whose call raised it, named; a batch call's is narrowed down to its ticket
+    monkeypatch.setenv("ENRICHQ_TEST_BASE_KIND", kind)
+    plug_in = "tests.support.enrichers:raises_base_exception"
+    settings = (
+        make_settings(db_url, enricher=plug_in)
+        if form == "per_ticket"
+        else make_settings(db_url, batch_enricher=f"{plug_in}_batch")
+    )
+    keys = ["T-1", "T-2", "B-1", "T-3"]
+    with warehouse(settings, db_url) as engine:
+        outcomes = enrich_in_child(EnrichContext(settings, engine), [ticket(k) for k in keys])
+
+    assert {k: type(v) for k, v in outcomes.items()} == {
+        "T-1": Enrichment,
+        "T-2": Enrichment,
+        "B-1": PluginAborted,
+        "T-3": Enrichment,
+    }
+    name = {
+        "cancelled": "CancelledError",
+        "keyboard_interrupt": "KeyboardInterrupt",
+        "system_exit": "SystemExit",
+    }[kind]
+    assert name in str(outcomes["B-1"])
+    assert CHILD_DIED not in str(outcomes["B-1"])
+    assert is_suspect(2, str(outcomes["B-1"]))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_a_child_ignores_the_stop_signals_its_process_group_gets(
+    db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, signum: signal.Signals
+) -> None:
+    # a graceful stop signalled to the worker's whole process group (systemd's
+    # KillMode=control-group, Ctrl-C in a terminal) reaches the child too: it carries on,
+    # and its parent stops it at the end of its grace if need be
+    monkeypatch.setenv("ENRICHQ_TEST_STARTED_DIR", str(tmp_path))
+    monkeypatch.setenv("ENRICHQ_TEST_SLOW_SECONDS", "1.5")
+    settings = make_settings(db_url, enricher="tests.support.enrichers:slow")
+    started = tmp_path / "T-1"
+    sent: list[int] = []
+
+    def signal_the_child() -> None:
+        pid = wait_for(
+            lambda: started.read_text() if started.exists() else None,
+            timeout=60,
+            what="the child's pid",
+        )
+        child = int(pid)
+        os.kill(child, signum)
+        sent.append(child)
+
+    thread = threading.Thread(target=signal_the_child)
+    thread.start()
+    try:
+        with warehouse(settings, db_url) as engine:
+            outcomes = enrich_in_child(EnrichContext(settings, engine), [ticket("T-1")])
+    finally:
+        thread.join()
+
+    assert sent
+    assert isinstance(outcomes["T-1"], Enrichment), outcomes["T-1"]
+
+
+def test_the_query_of_a_killed_child_is_gone_from_the_server_when_the_call_returns(
+    db_url: str, db_engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a child killed mid-query (its attempt given up) must not leave its query running on
+    # the warehouse: the caller releases the lookup's slot under the warehouse cap next
+    monkeypatch.setenv("ENRICHQ_TEST_SLOW_SECONDS", "600")
+    settings = make_settings(db_url, enricher="tests.support.enrichers:slow_query")
+    cancelled = threading.Event()
+
+    @contextmanager
+    def interruptible(cancel: Callable[[], None]) -> Iterator[None]:
+        def give_up() -> None:
+            wait_for(lambda: isolated_sleepers(db_engine), timeout=60, what="the child's query")
+            cancelled.set()
+            cancel()
+
+        thread = threading.Thread(target=give_up)
+        thread.start()
+        try:
+            yield
+        finally:
+            thread.join()
+
+    with warehouse(settings, db_url) as engine:
+        context = EnrichContext(settings, engine, cancelled, interruptible=interruptible)
+        outcomes = enrich_in_child(context, [ticket("T-1")])
+
+    assert str(outcomes["T-1"]) == CANCELLED
+    assert isolated_sleepers(db_engine) == 0
+
+
+def isolated_sleepers(engine: sa.Engine) -> int:
+    """Queries of isolated children running on the server now."""
+    [(n,)] = q(
+        engine,
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+        " AND application_name LIKE 'enrichq-isolated%' AND state = 'active'"
+        " AND query LIKE '%pg_sleep%'",
+    )
+    return int(n)
+
+
+def test_only_a_keyboard_interrupt_a_sigint_may_have_raised_stops_the_caller(db_url: str) -> None:
+    # a SIGINT to the process under Python's own handler raises KeyboardInterrupt in the
+    # main thread: that is the process being interrupted, not the plug-in's error. The
+    # same exception raised in a job thread (where no signal is ever delivered) is.
+    def interrupted(ticket: Ticket, context: EnrichContext) -> Enrichment:
+        signal.raise_signal(signal.SIGINT)
+        raise AssertionError("the signal's KeyboardInterrupt was not raised")
+
+    choice = EnricherChoice(interrupted, None, 1)
+    settings = make_settings(db_url)
+    with warehouse(settings, db_url) as engine:
+        context = EnrichContext(settings, engine)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with pytest.raises(KeyboardInterrupt):
+            enrich_all(choice, [ticket("T-1")], context)
+
+        def library(ticket: Ticket, context: EnrichContext) -> Enrichment:
+            raise KeyboardInterrupt("a library's own")
+
+        out: list[dict[str, object]] = []
+        thread = threading.Thread(
+            target=lambda: out.append(
+                enrich_all(EnricherChoice(library, None, 1), [ticket("T-1")], context)
+            )
+        )
+        thread.start()
+        thread.join()
+    assert isinstance(out[0]["T-1"], PluginAborted)
+
+
+def test_the_query_of_a_child_past_its_deadline_is_gone_from_the_server_when_the_call_returns(
+    db_url: str, db_engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the same for a child killed because its attempt's time ran out
+    monkeypatch.setenv("ENRICHQ_TEST_SLOW_SECONDS", "600")
+    settings = make_settings(db_url, enricher="tests.support.enrichers:slow_query")
+    seen: list[int] = []
+    thread = threading.Thread(
+        target=lambda: seen.append(
+            wait_for(lambda: isolated_sleepers(db_engine), timeout=60, what="the child's query")
+        )
+    )
+    thread.start()
+    try:
+        with warehouse(settings, db_url) as engine:
+            context = EnrichContext(settings, engine, deadline=time.monotonic() + 10)
+            outcomes = enrich_in_child(context, [ticket("T-1")])
+        assert "isolated enrichment ran past" in str(outcomes["T-1"])
+        assert isolated_sleepers(db_engine) == 0
+    finally:
+        thread.join()
+    assert seen  # the query did run before the deadline

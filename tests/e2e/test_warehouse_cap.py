@@ -21,10 +21,12 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 from prometheus_client.parser import text_string_to_metric_families
-from tests.support.db import q
+from tests.support.db import execute, q
 from tests.support.procs import enrichq_env, spawn, stop, wait_for
 from tests.support.web import free_port
-from tests.support.world import seeded
+from tests.support.world import add_tickets, enqueue, seeded
+
+from enrichq_service.worker.admission import ADMISSION_LOCK_SPACE as LOCK_SPACE
 
 pytestmark = pytest.mark.slow
 
@@ -164,7 +166,12 @@ def test_the_slot_of_a_holder_killed_with_sigkill_is_free_within_one_lease(
         )
         assert f":{a.pid}:" in owner
         assert 0 < left <= lease
-        assert counter(b_port, "enrichq_warehouse_deferrals", reason="cap") > 0
+        wait_for(
+            lambda: counter(b_port, "enrichq_warehouse_deferrals", reason="cap") > 0,
+            timeout=30,
+            what="B to be refused a slot",
+        )
+        assert [pid for pid, _, _ in calls(started)] == [a.pid]
         killed_at = time.monotonic_ns()
         os.kill(a.pid, signal.SIGKILL)
         assert a.wait(10) == -signal.SIGKILL
@@ -192,3 +199,217 @@ def test_the_slot_of_a_holder_killed_with_sigkill_is_free_within_one_lease(
     assert most_at_once(calls(started, killed_at=killed_at)) == 1
     # the dead holder's row went when B was admitted; B's were released by its settles
     assert q(db_engine, "SELECT count(*) FROM enrichq.lookups_in_flight") == [(0,)]
+
+
+def holding_the_admission_lock(engine: sa.Engine) -> sa.Connection:
+    """A connection in a transaction that holds the fleet's admission lock: a holder that
+    froze (SIGSTOP) at the worst moment, before its COMMIT."""
+    conn = engine.connect()
+    conn.begin()
+    conn.execute(sa.text("SELECT pg_advisory_xact_lock(:space, 0)"), {"space": LOCK_SPACE})
+    return conn
+
+
+def waiting_for_the_lock(engine: sa.Engine, worker: subprocess.Popen[bytes]) -> list[int]:
+    """The backends waiting for an advisory lock; fails at once if the worker exited."""
+    assert worker.poll() is None, f"the worker exited {worker.returncode}"
+    return [
+        pid
+        for (pid,) in q(
+            engine,
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+            " AND wait_event_type = 'Lock' AND wait_event = 'advisory'",
+        )
+    ]
+
+
+def test_a_frozen_lock_holder_and_a_killed_connection_cost_a_wait_never_a_crash(
+    db_url: str, db_engine: sa.Engine, tmp_path: Path
+) -> None:
+    """Cap 1, statement timeout 1 s. The admission lock is held (a frozen holder) for 4 s:
+    the worker's admission waits; its connection is terminated once, then its statement
+    times out. It retries; once the lock is free the ticket is done on its first attempt
+    (it exited 1 and spent the attempt of a job that never ran)."""
+    seeded(db_engine, 1)
+    worker = spawn(
+        ["worker"],
+        enrichq_env(
+            db_url,
+            batch_enricher=PROBE,
+            warehouse_max_concurrency=1,
+            statement_timeout_seconds=1,
+            poll_seconds=0.5,
+            ENRICHQ_TEST_SLOW_SECONDS=0.1,
+            ENRICHQ_TEST_STARTED_DIR=tmp_path,
+        ),
+        log=tmp_path / "w.log",
+    )
+    try:
+        holder = holding_the_admission_lock(db_engine)
+        try:
+            [waiting] = wait_for(
+                lambda: waiting_for_the_lock(db_engine, worker), timeout=30, what="a wait"
+            )
+            q(db_engine, "SELECT pg_terminate_backend(:pid)", pid=waiting)
+            wait_for(
+                lambda: [p for p in waiting_for_the_lock(db_engine, worker) if p != waiting],
+                timeout=30,
+                what="the admission to try again",
+            )
+            time.sleep(3)  # past the statement timeout
+            assert worker.poll() is None, (tmp_path / "w.log").read_text()
+        finally:
+            holder.close()
+        wait_for(
+            lambda: q(db_engine, "SELECT state, attempts FROM enrichq.queue") == [("done", 1)],
+            timeout=30,
+            what="the ticket to be done",
+        )
+    finally:
+        code = stop(worker)
+    assert code == 0, (tmp_path / "w.log").read_text()
+
+
+def test_a_job_waiting_for_a_slot_past_its_deadline_is_deferred_with_its_attempt(
+    db_url: str, db_engine: sa.Engine, tmp_path: Path
+) -> None:
+    """Cap 1, taken by another worker's lookup; a one-second attempt deadline (under the
+    2 s slot wait) and one attempt. Waiting for the slot is not running: the job is
+    deferred each time with its attempt given back, and done once the slot frees (it
+    counted as started, spent its one attempt waiting and was dead-lettered, 0 lookups)."""
+    seeded(db_engine, 1)
+    with db_engine.begin() as conn:
+        conn.execute(sa.text("UPDATE enrichq.queue SET max_attempts = 1"))
+        conn.execute(
+            sa.text(
+                "INSERT INTO enrichq.lookups_in_flight"
+                " (token, owner, reserved_bytes, started_at, expires_at)"
+                " VALUES (gen_random_uuid(), 'other:1:x', 0, now(), now() + interval '5 min')"
+            )
+        )
+    worker = spawn(
+        ["worker"],
+        enrichq_env(
+            db_url,
+            batch_enricher=PROBE,
+            warehouse_max_concurrency=1,
+            attempt_deadline_seconds=1,
+            poll_seconds=0.2,
+            ENRICHQ_TEST_SLOW_SECONDS=0.1,
+            ENRICHQ_TEST_STARTED_DIR=tmp_path,
+        ),
+        log=tmp_path / "w.log",
+    )
+    try:
+        time.sleep(4)  # two deadlines, and more, spent waiting for the slot
+        assert q(db_engine, "SELECT count(*) FROM enrichq.queue WHERE state = 'dead_letter'") == [
+            (0,)
+        ]
+        execute(db_engine, "DELETE FROM enrichq.lookups_in_flight WHERE owner = 'other:1:x'")
+        wait_for(
+            lambda: q(db_engine, "SELECT state, attempts FROM enrichq.queue") == [("done", 1)],
+            timeout=30,
+            what="the ticket to be done on its first attempt",
+        )
+    finally:
+        code = stop(worker)
+    assert code == 0
+    assert q(db_engine, "SELECT count(*) FROM enrichq.lookup_log") == [(1,)]
+
+
+def test_an_abandoned_lookup_that_keeps_running_keeps_its_slot(
+    db_url: str, db_engine: sa.Engine, tmp_path: Path
+) -> None:
+    """Cap 1, lease 3 s, a one-second attempt deadline, calls of 12 s deaf to cancellation.
+    The first ticket's attempt is abandoned (retried a minute later): the worker holds no
+    job, but its lookup still runs. A second ticket, enqueued well after a lease, waits for
+    that lookup to end (its slot expired, the heartbeat having nothing else to extend, and
+    the second call ran beside the first 6 s in)."""
+    [first] = seeded(db_engine, 1)
+    started = tmp_path / "calls"
+    started.mkdir()
+    worker = spawn(
+        ["worker"],
+        enrichq_env(
+            db_url,
+            batch_enricher=PROBE,
+            lookup_batch_size=1,
+            warehouse_max_concurrency=1,
+            attempt_deadline_seconds=1,
+            lease_seconds=3,
+            heartbeat_seconds=0.5,
+            backoff_base_seconds=60,
+            backoff_cap_seconds=60,
+            poll_seconds=0.2,
+            ENRICHQ_TEST_SLOW_SECONDS=12,
+            ENRICHQ_TEST_STARTED_DIR=started,
+        ),
+        log=tmp_path / "w.log",
+    )
+    try:
+        [(_, first_started, _)] = wait_for(lambda: calls(started), timeout=30, what="a call")
+        wait_for(
+            lambda: (
+                q(db_engine, "SELECT state FROM enrichq.queue WHERE key = :k", k=first)
+                == [("queued",)]
+            ),
+            timeout=30,
+            what="the first attempt to be abandoned",
+        )
+        while time.monotonic_ns() < first_started + 6 * NS:  # two leases into the call
+            time.sleep(0.1)
+        with db_engine.begin() as conn:
+            add_tickets(conn, ["SECOND"])
+            enqueue(conn, ["SECOND"])
+        wait_for(lambda: len(calls(started)) == 2, timeout=60, what="the second call")
+        made = wait_for(
+            lambda: calls(started) if all(m.read_text() for m in started.iterdir()) else None,
+            timeout=60,
+            what="both calls to end",
+        )
+        assert q(db_engine, "SELECT attempts FROM enrichq.queue WHERE key = 'SECOND'") == [(1,)]
+    finally:
+        stop(worker)
+    [(_, _, first_ended), (_, second_started, _)] = made
+    assert second_started >= first_ended, (second_started - first_ended) / NS
+
+
+def test_lookups_that_bill_nothing_run_side_by_side_under_a_budget(
+    db_url: str, db_engine: sa.Engine, tmp_path: Path
+) -> None:
+    """A budget, no cap, calls of 1 s that bill 0 bytes, four slots: once the first call's
+    0 bytes are on the ledger, the cost is known (nothing) and calls run four at a time,
+    no wait labelled `cap` (they ran one at a time: an average of 0 read as unknown)."""
+    seeded(db_engine, 12)
+    started = tmp_path / "calls"
+    started.mkdir()
+    port = free_port()
+    worker = spawn(
+        ["worker"],
+        enrichq_env(
+            db_url,
+            batch_enricher=PROBE,
+            lookup_batch_size=1,
+            concurrency=4,
+            daily_bytes_budget=10**9,
+            poll_seconds=0.2,
+            metrics_port=port,
+            ENRICHQ_TEST_SLOW_SECONDS=1,
+            ENRICHQ_TEST_STARTED_DIR=started,
+        ),
+        log=tmp_path / "w.log",
+    )
+    try:
+        wait_for(
+            lambda: (
+                q(db_engine, "SELECT count(*) FROM enrichq.queue WHERE state = 'done'") == [(12,)]
+            ),
+            timeout=60,
+            what="every ticket to be done",
+        )
+        capped = counter(port, "enrichq_warehouse_deferrals", reason="cap")
+    finally:
+        assert stop(worker) == 0
+    assert most_at_once(calls(started)) == 4
+    assert capped == 0
+    assert q(db_engine, "SELECT bytes_billed, lookups FROM enrichq.budget_ledger") == [(0, 12)]

@@ -6,6 +6,8 @@ import math
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,11 +16,13 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from tests.support.db import execute, q
-from tests.support.procs import enrichq_env, spawn, stop, wait_for
+from tests.support.enrichers import BASE_EXCEPTIONS, STDOUT_NOISE
+from tests.support.procs import REPO, enrichq_env, spawn, stop, wait_for
 from tests.support.world import seeded
 
 from enrichq_schema.db import create_engine, ensure_database, migrate
 from enrichq_schema.states import LEASE_EXPIRED_ERROR
+from enrichq_service.cli import main
 from enrichq_sweeper import recovery
 
 pytestmark = pytest.mark.slow
@@ -337,3 +341,205 @@ def test_a_poison_among_suspects_is_found_by_halving_and_fails_alone(
     # the 25 suspects take 1 + 2 * ceil(log2(25)) = 11 children, not one each; all but the
     # last (POISON alone) enriched some of the 24 others
     assert len(processes(markers, keys)) <= 2 * math.ceil(math.log2(25))
+
+
+# -- plug-ins that misbehave towards their process, and stops signalled to the group
+
+
+def make_suspects(engine: sa.Engine, *, max_attempts: int = 3) -> None:
+    """Every queued row a suspect: its first attempt's lease expired."""
+    execute(
+        engine,
+        "UPDATE enrichq.queue SET attempts = 1, max_attempts = :m, last_error = :e",
+        m=max_attempts,
+        e=LEASE_EXPIRED_ERROR,
+    )
+
+
+@pytest.mark.parametrize("kind", BASE_EXCEPTIONS)
+def test_a_plug_in_raising_a_base_exception_costs_only_its_own_ticket(
+    db_url: str, db_engine: sa.Engine, tmp_path: Path, kind: str
+) -> None:
+    # a library's asyncio.CancelledError, KeyboardInterrupt or SystemExit is the error of
+    # the ticket whose call raised it: the worker neither stops nor retries its neighbours
+    keys = seeded(db_engine, 6, extra=("B-1",))
+    execute(db_engine, "UPDATE enrichq.queue SET max_attempts = 3")
+    worker = spawn(
+        ["worker", "--drain"],
+        enrichq_env(
+            db_url,
+            enricher="tests.support.enrichers:raises_base_exception",
+            ENRICHQ_TEST_BASE_KIND=kind,
+            concurrency=4,
+            backoff_base_seconds=0,
+            backoff_cap_seconds=0,
+        ),
+        log=tmp_path / "w.log",
+    )
+    assert worker.wait(120) == 0, (tmp_path / "w.log").read_text()
+    good = [k for k in keys if k != "B-1"]
+    assert q(
+        db_engine,
+        "SELECT state, attempts, count(*) FROM enrichq.queue WHERE key = ANY(:k) GROUP BY 1, 2",
+        k=good,
+    ) == [("done", 1, len(good))]
+    [(state, reason, attempts, error)] = q(
+        db_engine,
+        "SELECT state, dead_reason, attempts, last_error FROM enrichq.queue WHERE key = 'B-1'",
+    )
+    assert (state, reason, attempts) == ("dead_letter", "attempts_exhausted", 3)
+    name = {"cancelled": "CancelledError", "keyboard_interrupt": "KeyboardInterrupt"}
+    assert name.get(kind, "SystemExit") in error
+    assert q(db_engine, "SELECT stop_reason FROM enrichq.runs") == [("no_work",)]
+
+
+def test_a_batch_plug_in_raising_a_base_exception_costs_only_its_own_ticket(
+    db_url: str, db_engine: sa.Engine, tmp_path: Path
+) -> None:
+    # the batch call that raises it is enriched again in child processes, halved until
+    # the ticket that causes it is alone: the tickets beside it are done in this attempt
+    keys = seeded(db_engine, 6, extra=("B-1",))
+    execute(db_engine, "UPDATE enrichq.queue SET max_attempts = 2")
+    worker = spawn(
+        ["worker", "--drain"],
+        enrichq_env(
+            db_url,
+            batch_enricher="tests.support.enrichers:raises_base_exception_batch",
+            ENRICHQ_TEST_BASE_KIND="keyboard_interrupt",
+            lookup_batch_size=10,
+            backoff_base_seconds=0,
+            backoff_cap_seconds=0,
+        ),
+        log=tmp_path / "w.log",
+    )
+    assert worker.wait(120) == 0, (tmp_path / "w.log").read_text()
+    good = [k for k in keys if k != "B-1"]
+    assert q(
+        db_engine,
+        "SELECT state, attempts, count(*) FROM enrichq.queue WHERE key = ANY(:k) GROUP BY 1, 2",
+        k=good,
+    ) == [("done", 1, len(good))]
+    [(state, attempts, error)] = q(
+        db_engine, "SELECT state, attempts, last_error FROM enrichq.queue WHERE key = 'B-1'"
+    )
+    assert (state, attempts) == ("dead_letter", 2)
+    assert "KeyboardInterrupt" in error
+
+
+def test_a_suspect_whose_plug_in_prints_to_stdout_is_enriched_and_charged(
+    db_url: str, db_engine: sa.Engine, tmp_path: Path
+) -> None:
+    # the isolated child's answer travels on a channel of its own: a plug-in's prints go to
+    # the worker's log, and the suspects get their results and their charge
+    seeded(db_engine, 3)
+    make_suspects(db_engine)
+    log = tmp_path / "w.log"
+    worker = spawn(
+        ["worker", "--drain"],
+        enrichq_env(db_url, enricher="tests.support.enrichers:prints_to_stdout"),
+        log=log,
+    )
+    assert worker.wait(120) == 0, log.read_text()
+    assert q(db_engine, "SELECT state, attempts, count(*) FROM enrichq.queue GROUP BY 1, 2") == [
+        ("done", 2, 3)
+    ]
+    assert q(db_engine, "SELECT count(*), sum(bytes_billed) FROM enrichq.lookup_log") == [(3, 3000)]
+    assert q(db_engine, "SELECT bytes_billed FROM enrichq.budget_ledger") == [(3000,)]
+    assert STDOUT_NOISE in log.read_text()
+
+
+def spawn_group_leader(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """`enrichq ARGS` in a process group of its own (as under systemd or in a terminal),
+    so that a signal to the group reaches it and its children, not the test."""
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "enrichq_service", *args],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_a_graceful_stop_signalled_to_the_process_group_lets_isolated_children_finish(
+    db_url: str, db_engine: sa.Engine, markers: Path, tmp_path: Path, signum: signal.Signals
+) -> None:
+    # systemd's KillMode=control-group, Ctrl-C in a terminal, `docker stop` of a shell
+    # entrypoint: the isolated child gets the signal too, and must finish within the grace
+    [key] = seeded(db_engine, 1)
+    make_suspects(db_engine)
+    log = tmp_path / "w.log"
+    worker = spawn_group_leader(
+        ["worker"],
+        enrichq_env(
+            db_url,
+            enricher="tests.support.enrichers:slow",
+            ENRICHQ_TEST_SLOW_SECONDS=2,
+            ENRICHQ_TEST_STARTED_DIR=markers,
+            shutdown_grace_seconds=30,
+        ),
+        log,
+    )
+    try:
+        started = markers / key
+        pid = wait_for(
+            lambda: started.read_text() if started.exists() else None,
+            what="the isolated child to start",
+        )
+        child = int(pid)
+        assert child != worker.pid
+        os.killpg(worker.pid, signum)
+        assert worker.wait(60) == 0, log.read_text()
+    finally:
+        stop(worker)
+    assert q(db_engine, "SELECT state, attempts FROM enrichq.queue") == [("done", 2)]
+    assert q(db_engine, "SELECT stop_reason FROM enrichq.runs") == [("shutdown",)]
+
+
+def test_a_killed_isolated_childs_query_ends_before_its_warehouse_slot_is_released(
+    db_url: str, db_engine: sa.Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # cap 1: the operator cancels a suspect whose isolated child is in a long warehouse
+    # query; the child is killed, and its query must not run on once its slot is free
+    [key] = seeded(db_engine, 1)
+    make_suspects(db_engine)
+    log = tmp_path / "w.log"
+    worker = spawn(
+        ["worker"],
+        enrichq_env(
+            db_url,
+            enricher="tests.support.enrichers:slow_query",
+            ENRICHQ_TEST_SLOW_SECONDS=600,
+            warehouse_max_concurrency=1,
+            lease_seconds=4,
+            heartbeat_seconds=0.5,
+            poll_seconds=0.2,
+        ),
+        log=log,
+    )
+    in_flight = "SELECT count(*) FROM enrichq.lookups_in_flight"
+    try:
+        wait_for(lambda: isolated_sleepers(db_engine), timeout=60, what="the child's query")
+        assert q(db_engine, in_flight) == [(1,)]
+        monkeypatch.setenv("ENRICHQ_DATABASE_URL", db_url)
+        assert main(["cancel", "--key", key, "--actor", "ops"]) == 0
+        wait_for(lambda: q(db_engine, in_flight) == [(0,)], what="the slot to be released")
+        assert isolated_sleepers(db_engine) == 0
+    finally:
+        assert stop(worker) == 0, log.read_text()
+    assert q(db_engine, "SELECT state, dead_reason FROM enrichq.queue") == [
+        ("dead_letter", "cancelled")
+    ]
+
+
+def isolated_sleepers(engine: sa.Engine) -> int:
+    """Queries of isolated children running on the server now."""
+    [(n,)] = q(
+        engine,
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+        " AND application_name LIKE 'enrichq-isolated%' AND state = 'active'"
+        " AND query LIKE '%pg_sleep%'",
+    )
+    return int(n)

@@ -10,9 +10,12 @@ the database clock; a heartbeat never calls a settled job lost.
 
 from __future__ import annotations
 
+import signal
 import threading
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -20,13 +23,17 @@ import sqlalchemy as sa
 from prometheus_client import REGISTRY
 from tests.support.commit_cutter import cutting
 from tests.support.db import q
-from tests.support.enrichers import BAD_FIELDS, BAD_KINDS
-from tests.support.procs import enrichq_env, spawn, wait_for
+from tests.support.enrichers import BAD_FIELDS, BAD_KINDS, SURROGATE
+from tests.support.procs import enrichq_env, spawn, stop, wait_for
 from tests.support.settings import make_settings
 from tests.support.world import seeded
 
 from enrichq_schema.db import create_engine
+from enrichq_service import queue
 from enrichq_service.worker import RunResult, Worker
+from enrichq_service.worker.admission import Admission
+from enrichq_service.worker.heartbeat import Heartbeat
+from enrichq_service.worker.lifecycle import Held, Jobs, Phase
 
 pytestmark = pytest.mark.slow
 
@@ -67,6 +74,8 @@ EXPECTED_FAILURE = {
     **{kind: ("failed", field) for kind, field in BAD_FIELDS.items()},
     # not a result but an error text: kept, its NUL made printable, and retried as usual
     "nul_error": ("dead_letter", "warehouse said \\x00 and hung up"),
+    "surrogate_error": ("dead_letter", "warehouse said \\udcff and hung up"),
+    "unreadable_error": ("dead_letter", "Unreadable: (its message could not be read)"),
 }
 
 
@@ -91,6 +100,7 @@ def test_one_bad_result_fails_that_job_and_the_worker_drains(
     assert state == want_state
     assert names in error
     assert "\x00" not in error
+    assert SURROGATE not in error
     others = q(
         db_engine, "SELECT state, count(*) FROM enrichq.queue WHERE key <> :k GROUP BY 1", k=bad
     )
@@ -99,6 +109,78 @@ def test_one_bad_result_fails_that_job_and_the_worker_drains(
     assert q(
         db_engine, "SELECT count(*) FROM enrichq.ticket_orders WHERE ticket_id = :k", k=bad
     ) == [(0,)]
+
+
+# what the bad ticket's own lookup is charged: a result refused for a bad order or job id
+# still cost what it billed; a plug-in error or a bill no warehouse sends costs nothing
+CHARGED = {"surrogate_order_id": 10, "surrogate_job_id": 10, "surrogate_error": 0, "huge_bytes": 0}
+
+
+@pytest.mark.parametrize("kind", sorted(CHARGED))
+def test_a_bad_outcome_in_a_batch_fails_that_job_and_worker_drain_exits_0(
+    db_url: str, db_engine: sa.Engine, tmp_path: Path, kind: str
+) -> None:
+    """A batch of 20 tickets whose outcomes reach the settler together, one of them holding
+    a lone surrogate (what `surrogateescape` decoding makes) or a bill of 2^63-1 bytes:
+    `enrichq worker --drain` settles the good ones, fails the bad one alone, charges every
+    lookup once, and exits 0."""
+    keys = seeded(db_engine, 20)
+    bad = keys[7]
+    with db_engine.begin() as conn:
+        conn.execute(sa.text("UPDATE enrichq.queue SET max_attempts = 1"))
+    env = enrichq_env(
+        db_url,
+        batch_enricher="tests.support.enrichers:bad_in_batch",
+        ENRICHQ_TEST_BAD_TICKET=bad,
+        ENRICHQ_TEST_BAD_KIND=kind,
+    )
+    log = tmp_path / "worker.log"
+    worker = spawn(["worker", "--drain"], env, log=log)
+    try:
+        code = worker.wait(120)
+    finally:
+        stop(worker)
+    assert code == 0, log.read_text(errors="replace")
+    state, error = q(
+        db_engine, "SELECT state, last_error FROM enrichq.queue WHERE key = :k", k=bad
+    )[0]
+    want_state, names = EXPECTED_FAILURE[kind]
+    assert (state, names in error, SURROGATE in error) == (want_state, True, False), error
+    others = q(
+        db_engine, "SELECT state, count(*) FROM enrichq.queue WHERE key <> :k GROUP BY 1", k=bad
+    )
+    assert others == [("done", len(keys) - 1)]
+    logged = q(db_engine, "SELECT count(*), sum(bytes_billed) FROM enrichq.lookup_log")
+    assert logged == [(len(keys), 1000 * (len(keys) - 1) + CHARGED[kind])]
+    assert q(db_engine, "SELECT lookups, bytes_billed FROM enrichq.budget_ledger") == logged
+
+
+def test_a_ledger_at_its_bigint_limit_still_lets_every_settle_of_the_day_through(
+    db_url: str, db_engine: sa.Engine
+) -> None:
+    """Today's ledger a few bytes short of bigint's largest value (what a bill of 2^63-1
+    left before bills were bounded): the day's later settles go through, and the ledger
+    stays at the largest value, every budget spent."""
+    keys = seeded(db_engine, 5)
+    top = 2**63 - 1
+    with db_engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO enrichq.budget_ledger (day, bytes_billed, lookups)"
+                " VALUES (CAST(timezone('UTC', now()) AS date), :b, 1)"
+            ),
+            {"b": top - 10},
+        )
+    settings = make_settings(db_url, enricher="tests.support.enrichers:tagged")
+    result = drain_in_thread(Worker(settings, db_engine), timeout=60)
+    assert result is not None
+    assert result.stop_reason == "no_work"
+    assert q(db_engine, "SELECT state, count(*) FROM enrichq.queue GROUP BY 1") == [
+        ("done", len(keys))
+    ]
+    assert q(db_engine, "SELECT bytes_billed, lookups FROM enrichq.budget_ledger") == [
+        (top, 1 + len(keys))
+    ]
 
 
 # -- 2. an attempt that never started never spends an attempt; abandoned work never runs
@@ -344,3 +426,171 @@ def test_settled_jobs_are_never_counted_as_lost_leases(db_url: str, db_engine: s
     )
     assert refused == 0  # no lease was really lost
     assert sample("enrichq_heartbeat_lost_leases_total") - lost_before == 0
+
+
+# -- 8. a row claimed again is another job: an old claim's report never touches it
+
+
+def _claim_one(engine: sa.Engine, owner: str) -> Held:
+    with engine.begin() as conn:
+        [job] = queue.claim(conn, owner=owner, limit=1, lease_seconds=30)
+    return Held(job, None, float("inf"))
+
+
+def _lease_of(engine: sa.Engine) -> tuple[uuid.UUID, datetime]:
+    [(token, expires)] = q(engine, "SELECT claim_token, lease_expires_at FROM enrichq.queue")
+    return token, expires
+
+
+def test_a_stale_heartbeat_does_not_lose_the_rows_newer_claim(
+    db_url: str, db_engine: sa.Engine
+) -> None:
+    """The heartbeat takes its snapshot of the held jobs; before its statement runs, the
+    old claim is deferred to now, settled, and the row claimed again by this worker. The
+    statement misses the old claim: that claim is gone, the new one is not lost (it was,
+    matched by id: its handler stopped, no heartbeat, its result refused)."""
+    seeded(db_engine, 1)
+    owner = "w:1:reclaim"
+    lost: list[Held] = []
+    jobs = Jobs(on_lost=lost.append)
+    settings = make_settings(db_url)
+    heartbeat = Heartbeat(db_engine, settings, owner, jobs, Admission(db_engine, settings, owner))
+    old = _claim_one(db_engine, owner)
+    jobs.add([old])
+    newer: list[Held] = []
+    fired = threading.Event()
+
+    def reclaim_before_the_heartbeat(
+        conn: sa.Connection, cursor: object, statement: str, *args: object
+    ) -> None:
+        if "FROM held, clock" not in statement or fired.is_set():  # the heartbeat's statement
+            return
+        fired.set()
+        assert jobs.hand_off(old, finished=False)
+        with db_engine.begin() as other:
+            assert queue.defer(other, owner=owner, deferrals=[(old.job, None)]) == {old.id}
+        jobs.settled([old])
+        newer.append(_claim_one(db_engine, owner))
+        jobs.add(newer)
+
+    sa.event.listen(db_engine, "before_cursor_execute", reclaim_before_the_heartbeat)
+    try:
+        heartbeat.beat()
+    finally:
+        sa.event.remove(db_engine, "before_cursor_execute", reclaim_before_the_heartbeat)
+    [new] = newer
+    assert new.id == old.id
+    assert new.job.claim_token != old.job.claim_token
+    assert lost == []
+    assert new.phase is Phase.CLAIMED
+    assert jobs.heartbeat_jobs() == [new]
+    _, before = _lease_of(db_engine)
+    heartbeat.beat()
+    token, after = _lease_of(db_engine)
+    assert token == new.job.claim_token
+    assert after > before  # the new claim's lease is extended
+
+
+def test_the_old_claims_settle_does_not_drop_the_rows_newer_claim(
+    db_url: str, db_engine: sa.Engine
+) -> None:
+    """The old claim's defer commits; the row is claimed again before the settler reports
+    the old claim settled. That report lets the old claim go, not the new one (it popped
+    the new one by id: no heartbeat, its lease lapsed, its result was refused)."""
+    seeded(db_engine, 1)
+    owner = "w:1:reclaim"
+    jobs = Jobs()
+    settings = make_settings(db_url)
+    heartbeat = Heartbeat(db_engine, settings, owner, jobs, Admission(db_engine, settings, owner))
+    old = _claim_one(db_engine, owner)
+    jobs.add([old])
+    assert jobs.hand_off(old, finished=False)
+    with db_engine.begin() as conn:
+        queue.defer(conn, owner=owner, deferrals=[(old.job, None)])
+    new = _claim_one(db_engine, owner)
+    jobs.add([new])
+    jobs.settled([old])  # the settler's report, after the new claim
+    assert jobs.unsettled() == [new]
+    _, before = _lease_of(db_engine)
+    heartbeat.beat()
+    token, after = _lease_of(db_engine)
+    assert token == new.job.claim_token
+    assert after > before
+
+
+# -- 8. a lookup still running when the worker stops is logged and charged all the same
+
+
+@pytest.mark.parametrize("stop_by", ["sigterm", "time_budget"])
+def test_a_lookup_that_finishes_during_shutdown_is_logged_and_charged(
+    db_url: str, db_engine: sa.Engine, tmp_path: Path, stop_by: str
+) -> None:
+    """The plug-in ignores cancellation and returns 3 s after the stop, long past the grace
+    period: its lookup is logged and charged once, and its warehouse slot released."""
+    [key] = seeded(db_engine, 1)
+    started = tmp_path / "started"
+    started.mkdir()
+    log = tmp_path / "w.log"
+    args = ["worker", "--time-budget", "1"] if stop_by == "time_budget" else ["worker"]
+    worker = spawn(
+        args,
+        enrichq_env(
+            db_url,
+            enricher="tests.support.enrichers:ignores_cancellation",
+            ENRICHQ_TEST_SLOW_SECONDS=4,
+            ENRICHQ_TEST_STARTED_DIR=started,
+            warehouse_max_concurrency=1,
+            shutdown_grace_seconds=0.5,
+        ),
+        log=log,
+    )
+    try:
+        wait_for((started / key).exists, what="the lookup to start")
+        if stop_by == "sigterm":
+            worker.send_signal(signal.SIGTERM)
+        assert worker.wait(60) == 0, log.read_text()
+    finally:
+        stop(worker)
+    assert q(db_engine, "SELECT job_id, bytes_billed, status FROM enrichq.lookup_log") == [
+        (f"late-{key}", 500, "ok")
+    ]
+    assert q(db_engine, "SELECT bytes_billed, lookups FROM enrichq.budget_ledger") == [(500, 1)]
+    assert q(db_engine, "SELECT count(*) FROM enrichq.lookups_in_flight") == [(0,)]
+    # the attempt itself was given up at the end of the grace: retried, its result unwritten
+    assert q(db_engine, "SELECT state, attempts FROM enrichq.queue") == [("queued", 1)]
+    assert q(db_engine, "SELECT count(*) FROM enrichq.ticket_orders") == [(0,)]
+
+
+def test_a_lookup_that_outlives_the_stop_is_recorded_as_ran_at_an_unknown_cost(
+    db_url: str, db_engine: sa.Engine, tmp_path: Path
+) -> None:
+    """The plug-in hangs, deaf to cancellation, for ten minutes: the worker does not wait
+    for it. Its lookup is recorded as run, its cost unknown, and its slot is released."""
+    [key] = seeded(db_engine, 1)
+    started = tmp_path / "started"
+    started.mkdir()
+    log = tmp_path / "w.log"
+    worker = spawn(
+        ["worker"],
+        enrichq_env(
+            db_url,
+            enricher="tests.support.enrichers:ignores_cancellation",
+            ENRICHQ_TEST_SLOW_SECONDS=600,
+            ENRICHQ_TEST_STARTED_DIR=started,
+            warehouse_max_concurrency=1,
+            shutdown_grace_seconds=0.5,
+        ),
+        log=log,
+    )
+    try:
+        wait_for((started / key).exists, what="the lookup to start")
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(60) == 0, log.read_text()
+    finally:
+        stop(worker)
+    [(status, error)] = q(db_engine, "SELECT status, error FROM enrichq.lookup_log")
+    assert status == "error"
+    assert "its cost is unknown" in error
+    assert q(db_engine, "SELECT lookups FROM enrichq.budget_ledger") == [(1,)]
+    assert q(db_engine, "SELECT count(*) FROM enrichq.lookups_in_flight") == [(0,)]
+    assert q(db_engine, "SELECT state, attempts FROM enrichq.queue") == [("queued", 1)]

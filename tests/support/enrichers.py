@@ -117,7 +117,27 @@ BAD_KINDS = (
     "total_not_number",
     "order_id_missing",
     "dict_orders",
+    "surrogate_order_id",
+    "surrogate_job_id",
+    "surrogate_error",
+    "huge_bytes",
+    "huge_total",
+    "unreadable_error",
 )
+# what `bytes.decode("utf-8", "surrogateescape")` makes of a byte that is not UTF-8: a lone
+# surrogate, which no UTF-8 text (and so no PostgreSQL text) can hold
+SURROGATE = b"\xff".decode("utf-8", "surrogateescape")
+# errors a plug-in raises (not results): kept, escaped, retried as usual
+ERROR_KINDS = ("nul_error", "surrogate_error", "unreadable_error")
+
+
+class Unreadable(TransientError):
+    """A plug-in's error whose message cannot even be made into text."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no message")
+
+
 # the field each invalid result's `last_error` names
 BAD_FIELDS = {
     "nul_order_id": "orders[0].order_id",
@@ -126,6 +146,10 @@ BAD_FIELDS = {
     "total_not_number": "orders[0].total",
     "order_id_missing": "orders[0].order_id",
     "dict_orders": "orders[0]",
+    "surrogate_order_id": "orders[0].order_id",
+    "surrogate_job_id": "job_id",
+    "huge_bytes": "bytes_billed",
+    "huge_total": "orders[0].total",
 }
 
 
@@ -141,6 +165,10 @@ def bad_enrichment(kind: str) -> Enrichment:
     """A result of one of BAD_KINDS (or the error "nul_error" raises)."""
     if kind == "nul_error":
         raise TransientError("warehouse said \x00 and hung up")
+    if kind == "surrogate_error":
+        raise TransientError(f"warehouse said {SURROGATE} and hung up")
+    if kind == "unreadable_error":
+        raise Unreadable
     orders: object = {
         "nul_order_id": (Order("O-\x00-1"),),
         "nul_customer_id": (Order("O-1", customer_id="C-\x00"),),
@@ -148,9 +176,15 @@ def bad_enrichment(kind: str) -> Enrichment:
         "total_not_number": (Order("O-1", total="lots"),),  # type: ignore[arg-type]  # the bad data under test
         "order_id_missing": (Order(None),),  # type: ignore[arg-type]  # the bad data under test
         "dict_orders": ({"order_id": "O-1"},),
+        "surrogate_order_id": (Order(f"O-{SURROGATE}-1"),),
+        "surrogate_job_id": (Order("O-1"),),
+        "huge_bytes": (Order("O-1"),),
+        # past numeric's 131072 digits, and past what str() makes of an int
+        "huge_total": (Order("O-1", total=10**131072),),
     }[kind]
-    job_id = "job-\x00" if kind == "nul_job_id" else "job-1"
-    return Enrichment(orders, job_id=job_id, bytes_billed=10)  # type: ignore[arg-type]  # as above
+    job_id = {"nul_job_id": "job-\x00", "surrogate_job_id": f"job-{SURROGATE}"}.get(kind, "job-1")
+    billed = 2**63 - 1 if kind == "huge_bytes" else 10  # a bigint, but no warehouse's bill
+    return Enrichment(orders, job_id=job_id, bytes_billed=billed)  # type: ignore[arg-type]  # as above
 
 
 def sixty_bytes(ticket: Ticket, context: EnrichContext) -> Enrichment:
@@ -188,11 +222,11 @@ def two_seconds(ticket: Ticket, context: EnrichContext) -> Enrichment:
 
 def bad_data_fate(ticket_id: str) -> str:
     """What `bad_data` does to a ticket: "good", "hang" (its first start hangs past the
-    attempt deadline) or one of BAD_KINDS except "nul_error" (an invalid result, every
+    attempt deadline) or one of BAD_KINDS but ERROR_KINDS (an invalid result, every
     time). About 1% of tickets each hang and get a bad result; stable across processes."""
     h = zlib.crc32(ticket_id.encode())
     if h % 100 == 0:
-        kinds = [k for k in BAD_KINDS if k != "nul_error"]
+        kinds = [k for k in BAD_KINDS if k not in ERROR_KINDS]
         return kinds[(h // 100) % len(kinds)]
     if h % 100 == 1:
         return "hang"
@@ -304,3 +338,80 @@ def marks_its_process(
     if any(t.id == "POISON" for t in tickets):
         os._exit(13)
     return {t.id: Enrichment((Order(f"O-{t.id}"),)) for t in tickets}
+
+
+def bad_in_batch(
+    tickets: Sequence[Ticket], context: EnrichContext
+) -> Mapping[str, Enrichment | BaseException]:
+    """One order named after each ticket, 1,000 bytes billed each; except ticket
+    ENRICHQ_TEST_BAD_TICKET, whose outcome is of the kind ENRICHQ_TEST_BAD_KIND (one of
+    BAD_KINDS). The whole batch reaches the settler at once, so the bad outcome is settled
+    in one group with the good ones."""
+    bad = os.environ.get("ENRICHQ_TEST_BAD_TICKET")
+    out: dict[str, Enrichment | BaseException] = {}
+    for t in tickets:
+        if t.id == bad:
+            try:
+                out[t.id] = bad_enrichment(os.environ["ENRICHQ_TEST_BAD_KIND"])
+            except TransientError as exc:
+                out[t.id] = exc
+        else:
+            out[t.id] = Enrichment((Order(f"O-{t.id}"),), job_id="batch-job", bytes_billed=1000)
+    return out
+
+
+# -- plug-ins that misbehave towards their process (issue 25)
+
+BASE_EXCEPTIONS = ("cancelled", "keyboard_interrupt", "system_exit")
+
+
+def raises_base_exception(ticket: Ticket, context: EnrichContext) -> Enrichment:
+    """Tickets whose id starts with 'B' raise the BaseException (not an Exception) named by
+    ENRICHQ_TEST_BASE_KIND, one of BASE_EXCEPTIONS, as a library may (asyncio's
+    CancelledError, a KeyboardInterrupt or SystemExit of its own); the others get `tagged`."""
+    if ticket.id.startswith("B"):
+        kind = os.environ.get("ENRICHQ_TEST_BASE_KIND", "cancelled")
+        if kind == "cancelled":
+            import asyncio
+
+            raise asyncio.CancelledError("the library's event loop went away")
+        if kind == "keyboard_interrupt":
+            raise KeyboardInterrupt("raised by a library, not a signal")
+        raise SystemExit(3)
+    return tagged(ticket, context)
+
+
+def raises_base_exception_batch(
+    tickets: Sequence[Ticket], context: EnrichContext
+) -> Mapping[str, Enrichment]:
+    """The batch form: the call raises ENRICHQ_TEST_BASE_KIND's BaseException when its
+    batch holds a ticket whose id starts with 'B'; otherwise `tagged` for each."""
+    for t in tickets:
+        if t.id.startswith("B"):
+            raises_base_exception(t, context)
+    return {t.id: tagged(t, context) for t in tickets}
+
+
+STDOUT_NOISE = "a plug-in's chatter on stdout"
+
+
+def prints_to_stdout(ticket: Ticket, context: EnrichContext) -> Enrichment:
+    """Prints to stdout, through Python and straight to fd 1 (as a C library would), then
+    returns `tagged` (1,000 bytes billed)."""
+    import sys
+
+    print(f"{STDOUT_NOISE} (print) {{not json")
+    sys.stdout.flush()
+    os.write(1, f"{STDOUT_NOISE} (fd 1)\n".encode())
+    return tagged(ticket, context)
+
+
+def ignores_cancellation(ticket: Ticket, context: EnrichContext) -> Enrichment:
+    """Marks its start in ENRICHQ_TEST_STARTED_DIR, then sleeps ENRICHQ_TEST_SLOW_SECONDS
+    deaf to cancellation, and bills 500 bytes."""
+    marker = os.environ.get("ENRICHQ_TEST_STARTED_DIR")
+    if marker:
+        with open(os.path.join(marker, ticket.id), "w") as f:
+            f.write(str(os.getpid()))
+    time.sleep(float(os.environ.get("ENRICHQ_TEST_SLOW_SECONDS", "3")))
+    return Enrichment((Order(f"O-{ticket.id}"),), job_id=f"late-{ticket.id}", bytes_billed=500)

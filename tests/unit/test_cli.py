@@ -253,3 +253,41 @@ def test_serve_on_a_port_in_use_is_one_line_and_exit_2() -> None:
     assert len(lines) == 1, proc.stderr
     assert f"127.0.0.1:{port}" in lines[0]
     assert "in use" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        # issue 31: each started, then broke later (422s, crashes, replay protection off)
+        ("ENRICHQ_DELAY_CREATED_SECONDS", "inf"),
+        ("ENRICHQ_LEASE_SECONDS", "nan"),
+        ("ENRICHQ_POLL_SECONDS", "inf"),
+        ("ENRICHQ_RETENTION_DAYS", "inf"),
+        ("ENRICHQ_WEBHOOK_TOLERANCE_SECONDS", "inf"),
+        # issue 25: past 2^31-1 ms, every lookup's statement_timeout was refused
+        ("ENRICHQ_ATTEMPT_DEADLINE_SECONDS", "2147484"),
+    ],
+)
+def test_a_number_that_would_break_later_stops_the_worker_at_start_up(
+    name: str, value: str
+) -> None:
+    # an unreachable database: a worker that got past its settings would exit 1, not 2
+    proc = run(
+        "worker",
+        "--drain",
+        env={"ENRICHQ_DATABASE_URL": "postgresql://u@127.0.0.1:1/db", name: value},
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"enrichq: invalid setting {name}: ")
+
+
+def test_an_infinite_number_in_the_config_file_is_refused(tmp_path: Path) -> None:
+    cfg = tmp_path / "enrichq.toml"
+    cfg.write_text("delay_created_seconds = inf\n")  # TOML has inf and nan floats
+    proc = run("--config", str(cfg), "status")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "ENRICHQ_DELAY_CREATED_SECONDS" in lines[0]

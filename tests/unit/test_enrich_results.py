@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta, tzinfo
 from decimal import Decimal
 
 import pytest
@@ -15,10 +15,12 @@ from enrichq_service.enrich import (
     Enrichment,
     InvalidResult,
     Order,
+    charge_of,
     error_text,
     split_bytes,
     validate,
 )
+from enrichq_service.errors import TransientError
 from enrichq_service.queue import Job, Settle, SettleAction, committed
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -42,6 +44,19 @@ def test_a_good_result_passes_with_its_numbers_and_times_normalized() -> None:
     assert isinstance(result.orders, tuple)
 
 
+class BrokenZone(tzinfo):
+    """A plug-in's own time zone whose offset no datetime accepts."""
+
+    def utcoffset(self, dt: datetime | None) -> timedelta:
+        return timedelta(hours=30)
+
+    def dst(self, dt: datetime | None) -> timedelta:
+        return timedelta(0)
+
+    def tzname(self, dt: datetime | None) -> str:
+        return "broken"
+
+
 BAD = [
     (Enrichment([Order("O-\x00")]), "orders[0].order_id: contains a NUL byte"),
     (Enrichment([Order("O-1"), Order("O-2", customer_id="C\x00")]), "orders[1].customer_id"),
@@ -49,6 +64,10 @@ BAD = [
     (Enrichment([Order("O-1", total="lots")]), "orders[0].total: expected a number, got str"),  # type: ignore[arg-type]  # the bad value under test
     (Enrichment([Order("O-1", total=float("nan"))]), "orders[0].total: must be a finite number"),
     (Enrichment([Order("O-1", total=True)]), "orders[0].total: expected a number"),
+    # past what PostgreSQL's numeric holds (and an int too long for str())
+    (Enrichment([Order("O-1", total=Decimal("1e131072"))]), "orders[0].total: out of the range"),
+    (Enrichment([Order("O-1", total=Decimal("1e-16384"))]), "orders[0].total: out of the range"),
+    (Enrichment([Order("O-1", total=10**131072)]), "orders[0].total: out of the range"),
     (Enrichment([Order(None)]), "orders[0].order_id: expected text, got NoneType"),  # type: ignore[arg-type]  # as above
     (Enrichment([Order("")]), "orders[0].order_id: must be 1 to"),
     (Enrichment([Order("x" * 1001)]), "orders[0].order_id: must be 1 to"),
@@ -60,6 +79,17 @@ BAD = [
     ),
     (Enrichment([], bytes_billed=-1), "bytes_billed: expected an integer"),
     (Enrichment([], bytes_billed=2**63), "bytes_billed: expected an integer"),
+    # a bigint, but no warehouse's bill: it would overflow the day's ledger
+    (Enrichment([], bytes_billed=2**63 - 1), "bytes_billed: expected an integer from 0 to 2^50"),
+    (Enrichment([], bytes_billed=2**50 + 1), "bytes_billed: expected an integer from 0 to 2^50"),
+    # lone surrogates, as bytes.decode("utf-8", "surrogateescape") makes them
+    (Enrichment([Order("O-\udcff")]), "orders[0].order_id: contains a lone surrogate (U+DCFF)"),
+    (Enrichment([Order("O-1", customer_id="\ud800")]), "orders[0].customer_id: contains a lone"),
+    (Enrichment([Order("O-1")], job_id="j\udc80"), "job_id: contains a lone surrogate"),
+    (
+        Enrichment([Order("O-1", placed_at=datetime(2026, 1, 1, tzinfo=BrokenZone()))]),
+        "orders[0].placed_at: its time zone gives no valid UTC offset",
+    ),
     ({"orders": []}, "expected an Enrichment, got dict"),
     (None, "expected an Enrichment, got NoneType"),
 ]
@@ -71,6 +101,39 @@ def test_a_bad_result_is_refused_naming_the_field(result: object, message: str) 
         validate(result)
     assert message in str(refused.value)
     assert "\x00" not in str(refused.value)
+
+
+def test_the_largest_totals_postgres_holds_pass() -> None:
+    totals: list[Decimal | float] = [
+        Decimal("9e131071"),
+        Decimal("1e-16383"),
+        10**5000,
+        Decimal(0),
+        Decimal("-0E-20000"),
+    ]
+    result = validate(Enrichment([Order(f"O-{i}", total=t) for i, t in enumerate(totals)]))
+    assert [o.total for o in result.orders] == [Decimal(t) for t in totals]
+    assert str(result.orders[-1].total) == "0"  # 0E-20000 would overflow numeric
+
+
+def test_the_largest_bill_passes_and_is_charged() -> None:
+    assert validate(Enrichment([], bytes_billed=2**50)).bytes_billed == 2**50
+    assert charge_of(Enrichment([], job_id="j", bytes_billed=2**50)) == ("j", 2**50)
+    assert charge_of(Enrichment([], job_id="j\udcff", bytes_billed=2**63 - 1)) == (None, 0)
+
+
+def test_an_error_text_escapes_lone_surrogates() -> None:
+    text = error_text(TransientError(b"said \xff".decode("utf-8", "surrogateescape")))
+    assert text == "TransientError: said \\udcff"
+    text.encode("utf-8")  # storable
+
+
+def test_an_error_text_survives_an_exception_whose_message_raises() -> None:
+    class Odd(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no message")
+
+    assert error_text(Odd()) == "Odd: (its message could not be read)"
 
 
 def test_an_error_text_is_one_printable_bounded_line() -> None:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import SecretStr
+from tests.support.settings import at_their_largest, bounds, numeric_settings
 
 from enrichq_schema.errors import SettingsError
 from enrichq_schema.settings import Mode, Settings
@@ -229,3 +233,103 @@ def test_unknown_variables_are_named_with_the_closest_setting() -> None:
         " (did you mean ENRICHQ_WAREHOUSE_MAX_CONCURRENCY?)",
         "enrichq_concurency is not an enrichq setting: ignored (did you mean ENRICHQ_CONCURRENCY?)",
     ]
+
+
+# -- every number is finite and bounded (issue 31): refused at start-up, in one line
+
+
+NUMBERS = sorted(numeric_settings())
+
+
+def test_every_number_has_a_finite_upper_bound_and_floats_refuse_inf_and_nan() -> None:
+    assert len(NUMBERS) >= 30  # the lookup found them
+    for name in NUMBERS:
+        low, high = bounds(name)
+        assert math.isfinite(low), name
+        assert math.isfinite(high), name
+        if numeric_settings()[name] is float:
+            flags = [
+                getattr(m, "allow_inf_nan", None) for m in Settings.model_fields[name].metadata
+            ]
+            assert False in flags, f"{name} lets inf and nan through"
+
+
+def _refused(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> str:
+    monkeypatch.setenv(f"ENRICHQ_{name.upper()}", value)
+    with pytest.raises(SettingsError) as info:
+        Settings.load()
+    return str(info.value)
+
+
+@pytest.mark.parametrize("name", NUMBERS)
+@pytest.mark.parametrize("value", ["inf", "-inf", "Infinity", "nan", "NaN", "1e300", "-1e300"])
+def test_inf_nan_and_huge_numbers_are_refused_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    message = _refused(monkeypatch, name, value)
+    assert message.startswith(f"invalid setting ENRICHQ_{name.upper()}: ")
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("name", NUMBERS)
+def test_one_past_the_largest_value_is_refused_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    _, high = bounds(name)
+    past = high + 1 if numeric_settings()[name] is int else math.nextafter(high, math.inf)
+    message = _refused(monkeypatch, name, repr(past))
+    assert message.startswith(f"invalid setting ENRICHQ_{name.upper()}: ")
+    assert "less than or equal" in message
+    assert "\n" not in message
+
+
+def test_the_largest_value_of_every_number_is_accepted() -> None:
+    settings = at_their_largest()
+    for name in NUMBERS:
+        if name != "heartbeat_seconds":
+            assert getattr(settings, name) == bounds(name)[1], name
+
+
+def test_durations_fit_postgres_milliseconds_and_python_waits() -> None:
+    """A duration that becomes a statement_timeout or an idle-in-transaction timeout is
+    sent in whole milliseconds of a 32-bit integer, and at least 1 ms (0 means none);
+    every duration is something threading's waits take."""
+    import threading
+
+    for name in ("attempt_deadline_seconds", "statement_timeout_seconds", "lease_seconds"):
+        low, high = bounds(name)
+        assert int(high * 1000) <= 2**31 - 1, name
+        assert int(low * 1000) >= 1, name
+    for name in NUMBERS:
+        if name.endswith("_seconds"):
+            assert bounds(name)[1] <= threading.TIMEOUT_MAX, name
+
+
+@given(
+    name=st.sampled_from(NUMBERS),
+    number=st.floats(allow_nan=True, allow_infinity=True) | st.integers(-(2**70), 2**70),
+)
+@settings(max_examples=300, deadline=None)
+def test_any_number_is_refused_in_one_line_or_accepted_finite_within_itsbounds(
+    name: str, number: float
+) -> None:
+    variable = f"ENRICHQ_{name.upper()}"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(variable, str(number))
+        if name == "heartbeat_seconds":  # under half the lease, whatever the lease
+            env.setenv("ENRICHQ_LEASE_SECONDS", str(bounds("lease_seconds")[1]))
+        if name == "backoff_base_seconds":  # under the cap, whatever the cap
+            env.setenv("ENRICHQ_BACKOFF_CAP_SECONDS", str(bounds("backoff_cap_seconds")[1]))
+        try:
+            value, refused = getattr(Settings.load(), name), None
+        except SettingsError as exc:
+            value, refused = None, str(exc)
+    if refused is not None:
+        # the variable named (a value that contradicts another names both)
+        assert refused.startswith("invalid setting ")
+        assert variable in refused
+        assert "\n" not in refused
+        return
+    low, high = bounds(name)
+    assert math.isfinite(value)
+    assert low <= value <= high

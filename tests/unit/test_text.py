@@ -20,6 +20,8 @@ from enrichq_service.queue import EnqueueRequest, QueueInputError
         ("a\x00b\x7fc\x85", "a\\x00b\\x7fc\\x85"),
         ("zero\u200bwidth\u202eflip", "zero\\u200bwidth\\u202eflip"),
         ("line\u2028para\u2029", "line\\u2028para\\u2029"),
+        # a lone surrogate (surrogateescape decoding): no UTF-8 text can hold it
+        ("not \udcff utf-8", "not \\udcff utf-8"),
         (42, "42"),
     ],
 )
@@ -34,6 +36,7 @@ def test_unsafe_character_names_the_first_cc_or_cf_character() -> None:
     assert unsafe_character("a\tb\x1b") == "U+0009"
     assert unsafe_character("acme\u200b") == "U+200B"
     assert unsafe_character("\U000e0001") == "U+E0001"  # a tag character (Cf)
+    assert unsafe_character("T-\udcff") == "U+DCFF"  # a lone surrogate (Cs)
 
 
 @pytest.mark.parametrize(
@@ -44,6 +47,7 @@ def test_unsafe_character_names_the_first_cc_or_cf_character() -> None:
             "key: must not contain control or format characters (U+001B)",
         ),
         ({"key": "T\x00"}, "key: must not contain control or format characters (U+0000)"),
+        ({"key": "T-\udcff"}, "key: must not contain control or format characters (U+DCFF)"),
         (
             {"key": "T-1", "tenant": "ac\u00adme"},
             "tenant: must not contain control or format characters (U+00AD)",

@@ -3,6 +3,7 @@ interleavings of the runtime's threads (a hypothesis state machine)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -108,7 +109,7 @@ def test_a_settle_that_commits_before_the_heartbeat_answers_is_not_lost() -> Non
     beating = jobs.heartbeat_jobs()
     assert set(beating) == {a, b}
     assert jobs.hand_off(a, finished=True)  # a's settle goes (and commits) meanwhile
-    jobs.lose([1, 2])  # the heartbeat's answer: neither lease was extended
+    jobs.lose(beating)  # the heartbeat's answer: neither lease was extended
     assert lost == [2]
     assert a.phase is Phase.SETTLING
     assert b.phase is Phase.LOST
@@ -121,9 +122,9 @@ def test_a_batch_is_interrupted_only_when_every_job_of_it_is_cancelled() -> None
     jobs.start([a, b])
     fired = threading.Event()
     with jobs.interruptible([a, b], fired.set):
-        jobs.lose([1])
+        jobs.lose([a])
         assert not fired.is_set()
-        jobs.lose([2])
+        jobs.lose([b])
         assert fired.is_set()
 
 
@@ -154,11 +155,62 @@ def test_a_lease_no_statement_confirmed_for_a_lease_is_given_up() -> None:
     assert renewed.confirmed == claimed_at + 50
     lease = 60.0
     assert jobs.unconfirmed_since(claimed_at + lease - 1 - lease) == []
-    assert jobs.unconfirmed_since(claimed_at + lease + 1 - lease) == [1]
-    assert jobs.lose([1]) == [stale]
+    assert jobs.unconfirmed_since(claimed_at + lease + 1 - lease) == [stale]
+    assert jobs.lose([stale]) == [stale]
     assert stale.cancelled.is_set()
     assert not renewed.cancelled.is_set()
-    assert jobs.unconfirmed_since(claimed_at + 200) == [2]  # settling ones never
+    assert jobs.unconfirmed_since(claimed_at + 200) == [renewed]  # settling ones never
+
+
+def reclaimed(old: Held) -> Held:
+    """The same row claimed again: a new claim token."""
+    job = dataclasses.replace(old.job, claim_token=uuid.uuid4(), attempts=old.job.attempts)
+    return Held(job, None, float("inf"))
+
+
+def test_a_stale_report_of_a_lost_lease_spares_the_rows_newer_claim() -> None:
+    """The heartbeat's snapshot held the old claim; the row was deferred to now and claimed
+    again before its statement answered. The old claim is what it reports lost."""
+    lost: list[Held] = []
+    jobs = Jobs(on_lost=lost.append)
+    old = held(1)
+    jobs.add([old])
+    beating = jobs.heartbeat_jobs()
+    assert jobs.hand_off(old, finished=False)  # deferred before it started
+    jobs.settled([old])
+    new = reclaimed(old)
+    jobs.add([new])
+    assert jobs.lose(beating) == []
+    assert lost == []
+    assert new.phase is Phase.CLAIMED
+    assert jobs.heartbeat_jobs() == [new]
+
+
+def test_the_old_claims_settle_leaves_the_rows_newer_claim_held() -> None:
+    jobs = Jobs()
+    old = held(1)
+    jobs.add([old])
+    assert jobs.hand_off(old, finished=False)
+    new = reclaimed(old)
+    jobs.add([new])  # claimed again after the defer committed, before the report
+    jobs.settled([old])
+    assert jobs.unsettled() == [new]
+    assert jobs.heartbeat_jobs() == [new]
+
+
+def test_a_job_refused_before_it_started_is_handed_over_once() -> None:
+    """Refused admission (or a precheck) after the claim loop deferred it as overdue, or
+    the heartbeat lost it: the settler already has it, or nobody may settle it."""
+    jobs = Jobs()
+    overdue, lost = held(1, deadline=0), held(2)
+    jobs.add([overdue, lost])
+    assert jobs.overdue(time.monotonic()) == ([overdue], [])
+    assert overdue.cancelled.is_set()  # its wait for an admission ends
+    jobs.lose([lost])
+    assert jobs.hand_off(overdue, finished=False) is False
+    assert jobs.hand_off(lost, finished=False) is False
+    jobs.settled([overdue])
+    assert jobs.hand_off(overdue, finished=False) is False
 
 
 def test_a_claimed_job_is_confirmed_from_before_its_claim() -> None:
@@ -169,76 +221,121 @@ def test_a_claimed_job_is_confirmed_from_before_its_claim() -> None:
 
 
 class RegistryMachine(RuleBasedStateMachine):
-    """Random interleavings of what the claim loop, runner, settler and heartbeat do."""
+    """Random interleavings of what the claim loop, runner, settler and heartbeat do, with
+    rows claimed again (a new claim of the same id) while an old claim is still reported
+    on: by a heartbeat's stale snapshot, by the settler."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lost: list[int] = []
-        self.jobs = Jobs(on_lost=lambda h: self.lost.append(h.id))
-        self.all: dict[int, Held] = {}
-        self.offered: set[int] = set()  # the runner starts each job once
+        self.lost: list[Held] = []
+        self.jobs = Jobs(on_lost=self.lost.append)
+        self.all: list[Held] = []  # every claim, in claim order
+        self.offered: set[int] = set()  # claims (by index) the runner took up, once each
         self.started: set[int] = set()
         self.returned: set[int] = set()  # a handler returns once
-        self.settled_results: set[int] = set()
+        self.handed: list[int] = []  # claims handed to the settler, each time
+        self.named: set[int] = set()  # claims some heartbeat answer said were missing
+        self.snapshots: list[list[Held]] = []
         self.next_id = 1
+
+    def _index(self, h: Held) -> int:
+        return next(i for i, c in enumerate(self.all) if c is h)
 
     @rule(n=st.integers(1, 3))
     def claim(self, n: int) -> None:
         new = [held(self.next_id + i, deadline=self.next_id + i) for i in range(n)]
         self.next_id += n
         self.jobs.add(new)
-        self.all.update((h.id, h) for h in new)
+        self.all.extend(new)
 
-    @precondition(lambda self: set(self.all) - self.offered)
+    @precondition(lambda self: any(h.phase in (Phase.SETTLED, Phase.LOST) for h in self._latest()))
+    @rule(data=st.data(), deadline=st.integers(0, 20))
+    def claim_again(self, data: st.DataObject, deadline: int) -> None:
+        """A row whose claim was let go (deferred to now, or taken by someone else and
+        given back) is claimed by this process again."""
+        gone = [h for h in self._latest() if h.phase in (Phase.SETTLED, Phase.LOST)]
+        old = data.draw(st.sampled_from(gone))
+        new = dataclasses.replace(reclaimed(old), deadline=float(deadline))
+        self.jobs.add([new])
+        self.all.append(new)
+
+    def _latest(self) -> list[Held]:
+        """The newest claim of each row."""
+        latest: dict[int, Held] = {}
+        for h in self.all:
+            latest[h.id] = h
+        return list(latest.values())
+
+    def _unoffered(self) -> list[int]:
+        return [i for i in range(len(self.all)) if i not in self.offered]
+
+    @precondition(lambda self: self._unoffered())
     @rule(data=st.data())
     def start(self, data: st.DataObject) -> None:
-        h = self.all[data.draw(st.sampled_from(sorted(set(self.all) - self.offered)))]
-        self.offered.add(h.id)
-        if self.jobs.start([h]):
-            assert h.id not in self.started, "a job started twice"
-            self.started.add(h.id)
+        i = data.draw(st.sampled_from(self._unoffered()))
+        self.offered.add(i)
+        if self.jobs.start([self.all[i]]):
+            assert i not in self.started, "a job started twice"
+            self.started.add(i)
+
+    @precondition(lambda self: self._unoffered())
+    @rule(data=st.data())
+    def refuse(self, data: st.DataObject) -> None:
+        """The runner refuses a job before starting it (a precheck, no admission)."""
+        i = data.draw(st.sampled_from(self._unoffered()))
+        self.offered.add(i)
+        if self.jobs.hand_off(self.all[i], finished=False):
+            self.handed.append(i)
 
     @precondition(lambda self: self.started - self.returned)
     @rule(data=st.data())
     def finish(self, data: st.DataObject) -> None:
-        h = self.all[data.draw(st.sampled_from(sorted(self.started - self.returned)))]
-        self.returned.add(h.id)
-        if self.jobs.hand_off(h, finished=True):
-            assert h.id not in self.settled_results, "a result handed over twice"
-            self.settled_results.add(h.id)
+        i = data.draw(st.sampled_from(sorted(self.started - self.returned)))
+        self.returned.add(i)
+        if self.jobs.hand_off(self.all[i], finished=True):
+            self.handed.append(i)
 
     @rule(at=st.integers(0, 20))
     def expire(self, at: int) -> None:
         never, running = self.jobs.overdue(float(at))
-        assert all(h.id not in self.started for h in never)
-        assert all(h.id in self.started for h in running)
+        assert all(self._index(h) not in self.started for h in never)
+        assert all(self._index(h) in self.started for h in running)
+        self.handed.extend(self._index(h) for h in never + running)
 
-    @precondition(lambda self: self.all)
+    @rule()
+    def heartbeat_snapshot(self) -> None:
+        self.snapshots.append(self.jobs.heartbeat_jobs())
+
+    @precondition(lambda self: self.snapshots)
     @rule(data=st.data())
-    def lose(self, data: st.DataObject) -> None:
-        ids = data.draw(st.lists(st.sampled_from(sorted(self.all)), max_size=3))
-        self.jobs.lose(ids)
+    def heartbeat_answer(self, data: st.DataObject) -> None:
+        """An answer to an earlier snapshot: some of its claims were not extended."""
+        snapshot = self.snapshots.pop(data.draw(st.integers(0, len(self.snapshots) - 1)))
+        missing = data.draw(
+            st.lists(st.sampled_from(snapshot), unique_by=id) if snapshot else st.just([])
+        )
+        self.named.update(self._index(h) for h in missing)
+        self.jobs.lose(missing)
 
     @rule()
     def settle(self) -> None:
-        handed = [h for h in self.all.values() if h.phase in (Phase.SETTLING, Phase.ABANDONED)]
+        handed = [h for h in self.all if h.phase in (Phase.SETTLING, Phase.ABANDONED)]
         self.jobs.settled(handed)
 
     @invariant()
     def phases_agree_with_what_happened(self) -> None:
-        held_ids = {h.id for h in self.jobs.unsettled()}
-        for h in self.all.values():
-            assert (h.id in held_ids) == (h.phase not in (Phase.SETTLED, Phase.LOST))
+        held_now = self.jobs.unsettled()
+        for i, h in enumerate(self.all):
+            assert any(x is h for x in held_now) == (h.phase not in (Phase.SETTLED, Phase.LOST))
             if h.phase in (Phase.STARTED, Phase.FINISHED, Phase.ABANDONED):
-                assert h.id in self.started
-        assert len(self.lost) == len(set(self.lost)), "a job counted lost twice"
-        assert not set(self.lost) & self.settled_results - {
-            h.id for h in self.all.values() if h.phase is Phase.LOST
-        }
-        beating = {h.id for h in self.jobs.heartbeat_jobs()}
-        assert all(
-            self.all[i].phase in (Phase.CLAIMED, Phase.STARTED, Phase.FINISHED) for i in beating
-        )
+                assert i in self.started
+            if h.phase is Phase.LOST:
+                assert i in self.named, "a claim lost that no heartbeat answer named"
+        assert len(held_now) == len({h.claim for h in held_now})
+        assert len({id(h) for h in self.lost}) == len(self.lost), "a job counted lost twice"
+        assert len(set(self.handed)) == len(self.handed), "a job handed to the settler twice"
+        beating = self.jobs.heartbeat_jobs()
+        assert all(h.phase in (Phase.CLAIMED, Phase.STARTED, Phase.FINISHED) for h in beating)
 
 
 TestRegistry = RegistryMachine.TestCase

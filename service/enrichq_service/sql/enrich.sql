@@ -94,14 +94,20 @@ logged AS (
     ON CONFLICT (queue_id, claim_token) DO NOTHING
     RETURNING l.bytes_billed
 ),
+-- The day's sum saturates at bigint's largest value instead of overflowing (numeric
+-- arithmetic, then least): a ledger that reached it (one lookup's bill is at most 2^50
+-- since enrichq_service.enrich.BYTES_MAX, but a row written before may be larger) means
+-- "every budget spent", and never refuses the settles of the rest of the day.
 charged AS (
     INSERT INTO enrichq.budget_ledger AS b (day, bytes_billed, lookups, updated_at)
-    SELECT CAST(timezone('UTC', clock.now) AS date), sum(g.bytes_billed), count(*), clock.now
+    SELECT CAST(timezone('UTC', clock.now) AS date),
+           CAST(least(sum(g.bytes_billed), 9223372036854775807) AS bigint), count(*), clock.now
     FROM logged AS g
     CROSS JOIN clock
     GROUP BY clock.now
     ON CONFLICT (day) DO UPDATE
-    SET bytes_billed = b.bytes_billed + excluded.bytes_billed,
+    SET bytes_billed = CAST(least(CAST(b.bytes_billed AS numeric) + excluded.bytes_billed,
+                                  9223372036854775807) AS bigint),
         lookups = b.lookups + excluded.lookups, updated_at = excluded.updated_at
     RETURNING 1
 ),
@@ -115,74 +121,18 @@ SELECT (SELECT count(*) FROM logged) AS logged,
        (SELECT count(*) FROM released) AS released;
 
 
--- name: admission_serialize
--- Makes this transaction the only one admitting a warehouse lookup, fleet-wide, until it
--- ends (the count of lookups in flight and the reservations must not move under it).
-SELECT pg_advisory_xact_lock(CAST(:lock_space AS int), 0);
-
-
 -- name: admission_take
--- Admits one warehouse lookup as :token, of :owner, unless the fleet-wide cap (:cap, 0 =
--- none) has no free slot or today's budget (:budget, 0 = none) is spent, counting the bytes
--- reserved by the lookups in flight. It reserves :expected bytes (NULL: the latest day's
--- average lookup, else the largest known cost in flight) until its settle releases them,
--- or until :lease_seconds pass without its owner's heartbeat (a slot whose holder died is
--- free again within one lease; its row is deleted here, so the table holds only the
--- fleet's live lookups). Returns why it was
--- refused ('cap', 'budget' or NULL), the bytes reserved, the database time, and when the
--- budget's day resets.
-WITH clock AS (
-    SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
-),
--- the rows of holders that died (every statement here sees the table as it was before)
-purged AS (
-    DELETE FROM enrichq.lookups_in_flight AS f
-    USING clock
-    WHERE f.expires_at <= clock.now
-),
-ledger AS (
-    SELECT coalesce((SELECT b.bytes_billed FROM enrichq.budget_ledger AS b
-                     WHERE b.day = CAST(timezone('UTC', clock.now) AS date)), 0) AS spent,
-           (SELECT b.bytes_billed / b.lookups FROM enrichq.budget_ledger AS b
-            WHERE b.lookups > 0 ORDER BY b.day DESC LIMIT 1) AS average
-    FROM clock
-),
--- the live lookups; one admitted before any cost was known (reserved 0, not learned yet)
--- counts as the average now that one is: else a worker's next lookup of known cost would
--- pass beside lookups of unknown cost of its own and of others, and overspend more
-live AS (
-    SELECT count(*) AS slots,
-           coalesce(sum(CASE WHEN f.reserved_bytes > 0 THEN f.reserved_bytes
-                             ELSE coalesce(ledger.average, 0) END), 0) AS reserved,
-           max(nullif(f.reserved_bytes, 0)) AS largest
-    FROM enrichq.lookups_in_flight AS f
-    CROSS JOIN clock
-    CROSS JOIN ledger
-    WHERE f.expires_at > clock.now
-),
-verdict AS (
-    SELECT CASE WHEN :cap > 0 AND live.slots >= :cap THEN 'cap'
-                WHEN :budget > 0 AND ledger.spent + live.reserved >= :budget THEN 'budget'
-           END AS refused,
-           -- before the ledger knows an average: what a lookup that ran and is not
-           -- settled yet really cost (0 = unknown: one such lookup per worker at a time)
-           coalesce(CAST(:expected AS bigint), ledger.average, live.largest, 0) AS expected
-    FROM ledger, live
-),
-taken AS (
-    INSERT INTO enrichq.lookups_in_flight (token, owner, reserved_bytes, started_at, expires_at)
-    SELECT CAST(:token AS uuid), :owner, v.expected, clock.now,
-           clock.now + make_interval(secs => CAST(:lease_seconds AS float8))
-    FROM verdict AS v
-    CROSS JOIN clock
-    WHERE v.refused IS NULL
-    RETURNING reserved_bytes
-)
-SELECT v.refused, (SELECT t.reserved_bytes FROM taken AS t) AS reserved, clock.now,
-       timezone('UTC', CAST(date_trunc('day', timezone('UTC', clock.now)) + interval '1 day'
-                            AS timestamp)) AS resets_at
-FROM verdict AS v
-CROSS JOIN clock;
+-- Admits one warehouse lookup as :token, of :owner, under the cap (:cap, 0 = none) and
+-- today's budget (:budget, 0 = none), fleet-wide, in one statement that takes and lets go
+-- the fleet's admission lock (:lock_space) on the server: run outside a transaction, no
+-- lock outlives it. Returns why it was refused ('cap', 'budget' or NULL), the bytes
+-- reserved, whether that cost is known, the database time, and when the budget's day
+-- resets (`enrichq.admission_take`, migration 0015, says how).
+SELECT t.refused, t.reserved, t.known, t.now, t.resets_at
+FROM enrichq.admission_take(
+    CAST(:token AS uuid), CAST(:owner AS text), CAST(:cap AS integer), CAST(:budget AS bigint),
+    CAST(:expected AS bigint), CAST(:lease_seconds AS float8), CAST(:now AS timestamptz),
+    CAST(:lock_space AS integer)) AS t;
 
 
 -- name: admission_reserve
@@ -197,10 +147,17 @@ DELETE FROM enrichq.lookups_in_flight WHERE token = ANY(CAST(:tokens AS uuid[]))
 
 
 -- name: admission_extend
--- Extends the admissions of :owner's lookups in flight by :lease_seconds (its heartbeat).
-UPDATE enrichq.lookups_in_flight
-SET expires_at = coalesce(CAST(:now AS timestamptz), now()) + make_interval(secs => CAST(:lease_seconds AS float8))
-WHERE owner = :owner;
+-- Extends the admissions :tokens of :owner's lookups in flight by :lease_seconds (its
+-- heartbeat), those not expired yet (an expired slot may be someone else's by now); returns
+-- the tokens it extended (a missing one was released, or expired).
+WITH clock AS (
+    SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
+)
+UPDATE enrichq.lookups_in_flight AS f
+SET expires_at = clock.now + make_interval(secs => CAST(:lease_seconds AS float8))
+FROM clock
+WHERE f.owner = :owner AND f.token = ANY(CAST(:tokens AS uuid[])) AND f.expires_at > clock.now
+RETURNING f.token;
 
 
 -- name: enrich_budget_today
@@ -211,3 +168,11 @@ SELECT coalesce((SELECT bytes_billed FROM enrichq.budget_ledger
        timezone('UTC', CAST(date_trunc('day', timezone('UTC',
            coalesce(CAST(:now AS timestamptz), now()))) + interval '1 day' AS timestamp))
            AS resets_at;
+
+
+-- name: isolate_end_child_sessions
+-- Ends the sessions of the isolated child named :name (its application_name), waiting up
+-- to :timeout_ms for each to be gone; one row per session, gone true once it is.
+SELECT a.pid, pg_terminate_backend(a.pid, CAST(:timeout_ms AS bigint)) AS gone
+FROM pg_stat_activity AS a
+WHERE a.application_name = :name AND a.pid <> pg_backend_pid();

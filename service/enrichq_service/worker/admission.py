@@ -1,19 +1,26 @@
 """Fleet-wide admission of warehouse lookups: the daily bytes budget and the warehouse cap.
 
-Before a lookup runs, it is admitted in a short transaction of its own that serializes
-with every other admission of the fleet (an advisory lock) and inserts a row into
-`enrichq.lookups_in_flight`: the lookup's slot under `ENRICHQ_WAREHOUSE_MAX_CONCURRENCY`,
-and the bytes it is expected to cost reserved against `ENRICHQ_DAILY_BYTES_BUDGET`. The
-admission is refused when every slot is taken, or when the bytes billed today plus the
-bytes reserved by the lookups in flight reach the budget. The settle that charges the
-lookup's real bytes releases the row in the same transaction; a worker that dies leaves
-its rows behind only until they expire, one lease after its last heartbeat.
+Before a lookup runs, it is admitted by one statement (`enrichq.admission_take`, run outside
+a transaction) that serializes with every other admission of the fleet (an advisory lock
+it takes and lets go on the server: a frozen worker never holds it while the others wait)
+and inserts a row into `enrichq.lookups_in_flight`: the lookup's slot under
+`ENRICHQ_WAREHOUSE_MAX_CONCURRENCY`, and the bytes it is expected to cost reserved against
+`ENRICHQ_DAILY_BYTES_BUDGET`. The admission is refused when every slot is taken, or when
+the bytes billed today plus the bytes reserved by the lookups in flight reach the budget.
+The settle that charges the lookup's real bytes releases the row in the same transaction;
+this worker's heartbeat extends its rows for as long as they are there (also while a
+lookup whose attempt was abandoned still runs); a worker that dies leaves its rows behind
+only until they expire, one lease after its last heartbeat.
 
-The expected cost of a lookup is the latest day's average (the ledger knows it), or,
-before any lookup was charged, the real cost of a lookup that ran and is not settled yet.
-With nothing known at all, a worker admits one lookup at a time until its first one has
-cost something; that lookup then reserves what it really cost, before its settle. So the
-fleet overspends its budget by at most one lookup per worker.
+The expected cost of a lookup is the latest day's average (the ledger knows it, 0 bytes
+included), or, before any lookup was charged, the real cost of a lookup that ran and is
+not settled yet. With nothing known at all, a worker admits one lookup at a time until its
+first one has cost something; that lookup then reserves what it really cost, before its
+settle. So the fleet overspends its budget by at most one lookup per worker.
+
+The database being unavailable during an admission (a connection terminated, a statement
+timed out) is waited out with backoff, as the claim loop does: the jobs still have not
+started, and are deferred, their attempt given back, if their deadline passes meanwhile.
 
 With neither a budget nor a cap, nothing is admitted and nothing is written: a lookup
 just runs.
@@ -21,19 +28,25 @@ just runs.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from uuid import UUID
 
 import sqlalchemy as sa
+import sqlalchemy.exc as sa_exc
 
 from enrichq_schema import metrics
 from enrichq_schema.settings import Settings
-from enrichq_service.enrich import SQL
+from enrichq_service.enrich import SQL, error_text
 from enrichq_service.errors import Deferral
+from enrichq_service.worker.db import Backoff, is_unavailable
+
+log = logging.getLogger(__name__)
 
 # The advisory-lock space of admissions ("enra": enrichq admission).
 ADMISSION_LOCK_SPACE = 0x656E7261
@@ -42,6 +55,11 @@ SLOT_WAIT_SECONDS = 2.0
 SLOT_POLL_SECONDS = 0.05
 # A job deferred for want of a slot comes back this much later.
 SLOT_DEFER_SECONDS = 2.0
+# Why a lookup that waited was refused, by `enrichq_warehouse_deferrals_total` reason.
+WAIT_REFUSALS = {
+    "cap": "no free warehouse slot (ENRICHQ_WAREHOUSE_MAX_CONCURRENCY)",
+    "estimate": "no cost estimate yet: this worker's lookup of unknown cost is still running",
+}
 
 
 class Refused(Deferral):
@@ -50,6 +68,11 @@ class Refused(Deferral):
     def __init__(self, until: datetime, reason: str, message: str) -> None:
         super().__init__(until, message)
         self.reason = reason
+
+
+class Withdrawn(Exception):
+    """Every job of the lookup was let go (deferred or lost) while it waited: nothing to
+    admit any more."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,39 +97,73 @@ class Admission:
         self._settings = settings
         self._owner = owner
         self._unknown = threading.Semaphore(1)  # one lookup of unknown cost at a time
+        self._lock = threading.Lock()
+        # this worker's rows in lookups_in_flight, as far as it knows: admitted, and not
+        # seen released (by `release`, or by the settle that charged the lookup)
+        self._live: set[UUID] = set()
+        # tokens of takes whose reply was lost: perhaps admitted, never to run
+        self._unheard: set[UUID] = set()
 
     @property
     def needed(self) -> bool:
         return self._settings.daily_bytes_budget > 0 or self._settings.warehouse_max_concurrency > 0
 
+    def holding(self) -> bool:
+        """Whether this worker may hold admissions its heartbeat must extend."""
+        with self._lock:
+            return bool(self._live)
+
     def admit(self, cancelled: threading.Event) -> Admitted:
-        """Admit one lookup, waiting up to SLOT_WAIT_SECONDS for a slot; Refused otherwise."""
+        """Admit one lookup, waiting up to SLOT_WAIT_SECONDS for a slot (Refused otherwise)
+        and out the database's unavailability; Withdrawn once `cancelled` is set."""
         if not self.needed:
             return NOT_NEEDED
         give_up = time.monotonic() + SLOT_WAIT_SECONDS
         waited = False
         while True:
-            token = uuid.uuid4()
-            row, permit = self._take_with_permit(token)
+            token, row, permit = self._take_retrying(cancelled)
             if row.refused == "budget":
                 metrics.warehouse_deferrals_total.labels("budget").inc()
                 metrics.budget_exhausted.set(1)
                 raise Refused(row.resets_at, "budget", "daily warehouse bytes budget spent")
+            reason = "cap"
             if row.refused is None:
                 metrics.budget_exhausted.set(0)
-                unknown = self._settings.daily_bytes_budget > 0 and not row.reserved
+                unknown = self._settings.daily_bytes_budget > 0 and not row.known
                 if not unknown or permit:
                     return Admitted(token, int(row.reserved or 0), unknown, row.now)
-                self.release([token])  # wait for this worker's first lookup to cost something
+                # wait for this worker's lookup of unknown cost to cost something
+                self._give_back([token], quietly=True)
+                reason = "estimate"
             if not waited:
                 metrics.warehouse_slot_waits_total.inc()
                 waited = True
-            if time.monotonic() >= give_up or cancelled.wait(SLOT_POLL_SECONDS):
-                metrics.warehouse_deferrals_total.labels("cap").inc()
+            if cancelled.wait(SLOT_POLL_SECONDS):
+                raise Withdrawn
+            if time.monotonic() >= give_up:
+                metrics.warehouse_deferrals_total.labels(reason).inc()
                 until = row.now + timedelta(seconds=SLOT_DEFER_SECONDS)
-                raise Refused(
-                    until, "cap", "no free warehouse slot (ENRICHQ_WAREHOUSE_MAX_CONCURRENCY)"
-                )
+                raise Refused(until, reason, WAIT_REFUSALS[reason])
+
+    def _take_retrying(
+        self, cancelled: threading.Event
+    ) -> tuple[UUID, sa.Row[tuple[object, ...]], bool]:
+        """`_take_with_permit` under a new token, tried again (another token) with backoff
+        while the database is unavailable; Withdrawn once `cancelled` is set."""
+        backoff = Backoff()
+        while not cancelled.is_set():
+            token = uuid.uuid4()
+            try:
+                self._release_unheard()
+                return (token, *self._take_with_permit(token))
+            except sa_exc.SQLAlchemyError as exc:
+                if not is_unavailable(exc):
+                    raise
+                with self._lock:
+                    self._unheard.add(token)  # it may have committed, its reply lost
+                log.warning("warehouse admission failed (%s); retrying", error_text(exc))
+                cancelled.wait(backoff.next())
+        raise Withdrawn
 
     def learned(self, admitted: Admitted, billed: int) -> None:
         """The admitted lookup ran and cost `billed`: reserve that until its settle charges
@@ -119,27 +176,79 @@ class Admission:
                     conn.execute(
                         SQL("admission_reserve"), {"token": admitted.token, "bytes": billed}
                     )
+        except sa_exc.SQLAlchemyError as exc:
+            if not is_unavailable(exc):
+                raise
+            # its settle charges the real cost all the same; meanwhile it reserves less
+            log.warning("could not reserve a lookup's cost (%s)", error_text(exc))
+        finally:
+            if admitted.unknown_cost:
+                self._unknown.release()
+
+    def give_back(self, admitted: Admitted) -> None:
+        """The admitted lookup will not run (its jobs were let go while it was admitted)."""
+        if admitted.token is None:
+            return
+        try:
+            self._give_back([admitted.token], quietly=True)
         finally:
             if admitted.unknown_cost:
                 self._unknown.release()
 
     def release(self, tokens: list[UUID]) -> None:
         """Give back admissions of lookups that did not run."""
-        if tokens:
+        self._give_back(tokens, quietly=False)
+
+    def _give_back(self, tokens: Iterable[UUID], *, quietly: bool) -> None:
+        """Delete these admissions; `quietly`: a database that is unavailable leaves them
+        to expire within a lease (no heartbeat extends them any more)."""
+        tokens = list(tokens)
+        if not tokens:
+            return
+        with self._lock:
+            self._live.difference_update(tokens)
+        try:
             with self._engine.begin() as conn:
                 conn.execute(SQL("admission_release"), {"tokens": tokens})
+        except sa_exc.SQLAlchemyError as exc:
+            if not (quietly and is_unavailable(exc)):
+                raise
+            log.warning("could not give back a warehouse admission (%s)", error_text(exc))
+
+    def _release_unheard(self) -> None:
+        """Delete what takes whose reply was lost may have admitted."""
+        with self._lock:
+            unheard = list(self._unheard)
+        if unheard:
+            self._give_back(unheard, quietly=False)
+            with self._lock:
+                self._unheard.difference_update(unheard)
 
     def extend(self, conn: sa.Connection) -> None:
-        """Keep this worker's admissions alive (called by its heartbeat)."""
-        if self.needed:
+        """Keep this worker's admissions alive (called by its heartbeat), and forget those
+        that are gone (released by their settles, or expired)."""
+        with self._lock:
+            # each was committed before this statement starts: it sees every one still there
+            tokens = set(self._live)
+        if not tokens:
+            return
+        extended = set(
             conn.execute(
                 SQL("admission_extend"),
-                {"owner": self._owner, "lease_seconds": self._settings.lease_seconds, "now": None},
-            )
+                {
+                    "owner": self._owner,
+                    "tokens": list(tokens),
+                    "lease_seconds": self._settings.lease_seconds,
+                    "now": None,
+                },
+            ).scalars()
+        )
+        with self._lock:
+            self._live.difference_update(tokens - extended)
 
     def _take_with_permit(self, token: UUID) -> tuple[sa.Row[tuple[object, ...]], bool]:
         """Take an admission, and say whether it holds this worker's permit for a lookup
-        of unknown cost (kept only by an admitted take that found no cost to reserve).
+        of unknown cost (kept only by an admitted take that found no cost known).
 
         Only a take made while holding the permit may admit a lookup of unknown cost: the
         permit is released once its lookup's cost is reserved, so such a take sees every
@@ -153,15 +262,16 @@ class Admission:
             if permit:
                 self._unknown.release()
             raise
-        kept = permit and row.refused is None and not row.reserved
+        kept = permit and row.refused is None and not row.known
         if permit and not kept:
             self._unknown.release()
         return row, kept
 
     def _take(self, token: UUID) -> sa.Row[tuple[object, ...]]:
-        with self._engine.begin() as conn:
-            conn.execute(SQL("admission_serialize"), {"lock_space": ADMISSION_LOCK_SPACE})
-            return conn.execute(
+        """One admission statement, in a transaction of its own (no lock outlives it)."""
+        with self._engine.connect() as conn:
+            conn.execution_options(isolation_level="AUTOCOMMIT")
+            row = conn.execute(
                 SQL("admission_take"),
                 {
                     "token": token,
@@ -171,5 +281,10 @@ class Admission:
                     "expected": None,
                     "lease_seconds": self._settings.lease_seconds,
                     "now": None,
+                    "lock_space": ADMISSION_LOCK_SPACE,
                 },
             ).one()
+        if row.refused is None:
+            with self._lock:
+                self._live.add(token)
+        return row

@@ -1,6 +1,8 @@
 """The heartbeat: every ENRICHQ_HEARTBEAT_SECONDS, one statement extends every lease this
-worker still holds (and its warehouse admissions); a lease that did not come back is lost:
-its handler is told to stop and its result is never written.
+worker still holds, and another its warehouse admissions (for as long as their rows are
+there, whatever else it holds: a lookup whose attempt was abandoned still runs, and keeps
+its slot); a lease that did not come back is lost: its handler is told to stop and its
+result is never written.
 
 Only jobs not yet handed to the settler are extended: a job whose settle commits while the
 heartbeat runs is not a lost lease (the registry ignores the report of a job it has already
@@ -77,7 +79,8 @@ class Heartbeat:
         metrics.heartbeat_lag_seconds.set(time.monotonic() - self._last)
         held = self._jobs.heartbeat_jobs()
         started = time.monotonic()
-        if not held:
+        # admissions too: a lookup whose attempt was abandoned keeps its slot while it runs
+        if not held and not self._admission.holding():
             self._last = started
             return
         try:
@@ -98,5 +101,6 @@ class Heartbeat:
         self._last = time.monotonic()
         gone = set(missing)
         self._jobs.confirm([h for h in held if h.id not in gone], started)
-        if missing:
-            self._jobs.lose(missing)
+        if gone:
+            # the claims this statement named, never a newer claim of the same row
+            self._jobs.lose([h for h in held if h.id in gone])

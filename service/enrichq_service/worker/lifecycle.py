@@ -14,6 +14,11 @@ Every job this process holds goes through these phases:
 and a heartbeat may find the lease gone (`lose`) in claimed, started or finished. The
 transition function is pure; the registry (`Jobs`) applies it under one lock and is the
 only state the claim loop, the runner, the settler and the heartbeat share.
+
+A job is one claim of a row (its id and claim token), not the row: a row deferred to now
+is claimed again, perhaps by this process, while its old claim is still being settled or
+is still in the heartbeat's snapshot. Every report about a job (lost, settled) names the
+claim, so it never touches the row's newer claim.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
+from uuid import UUID
 
 from enrichq_service.enrich import Ticket
 from enrichq_service.queue import Job
@@ -77,6 +83,10 @@ IGNORED: frozenset[tuple[Phase, Event]] = frozenset(
         (Phase.SETTLED, Event.START),
         (Phase.SETTLED, Event.FINISH),  # a late result of an abandoned job whose retry committed
         (Phase.LOST, Event.SETTLED),  # a settle of a job lost meanwhile was refused
+        # refused before it could start, but deferred (overdue) or lost meanwhile
+        (Phase.SETTLING, Event.HAND_OFF),
+        (Phase.SETTLED, Event.HAND_OFF),
+        (Phase.LOST, Event.HAND_OFF),
     }
 )
 
@@ -133,17 +143,22 @@ class Held:
         return self.job.id
 
     @property
+    def claim(self) -> tuple[int, UUID]:
+        """What names this job: its row's id and the claim token of this claim."""
+        return (self.job.id, self.job.claim_token)
+
+    @property
     def confirmed(self) -> float:
         assert self.lease_confirmed_at is not None  # set by __post_init__
         return self.lease_confirmed_at
 
 
 class Jobs:
-    """The jobs this process holds, by id; every change goes through `transition`."""
+    """The jobs this process holds, by claim; every change goes through `transition`."""
 
     def __init__(self, on_lost: Callable[[Held], None] | None = None) -> None:
         self._lock = threading.Lock()
-        self._held: dict[int, Held] = {}
+        self._held: dict[tuple[int, UUID], Held] = {}
         self._on_lost = on_lost or (lambda held: None)
 
     def __len__(self) -> int:
@@ -153,15 +168,15 @@ class Jobs:
     def add(self, held: Iterable[Held]) -> None:
         with self._lock:
             for h in held:
-                self._held[h.id] = h
+                self._held[h.claim] = h
 
     def _apply(self, held: Held, event: Event) -> tuple[Phase, Phase]:
         before = held.phase
         held.phase = transition(before, event)
         if held.phase in (Phase.SETTLING, Phase.ABANDONED) and held.handed_at is None:
             held.handed_at = time.monotonic()
-        if held.phase in (Phase.SETTLED, Phase.LOST):
-            self._held.pop(held.id, None)
+        if held.phase in (Phase.SETTLED, Phase.LOST) and self._held.get(held.claim) is held:
+            del self._held[held.claim]
         return before, held.phase
 
     def start(self, held: Sequence[Held]) -> list[Held]:
@@ -172,12 +187,14 @@ class Jobs:
             ]
 
     def hand_off(self, held: Held, *, finished: bool) -> bool:
-        """Move a job towards the settler; False when it was abandoned or lost meanwhile
-        (its result must not be settled: only its lookup, if any, is logged)."""
+        """Move a job towards the settler (`finished`: its handler ran; else it never
+        started); False when it was abandoned, deferred or lost meanwhile (its result must
+        not be settled: only its lookup, if any, is logged)."""
         with self._lock:
             if finished and self._apply(held, Event.FINISH)[1] is not Phase.FINISHED:
                 return False
-            return self._apply(held, Event.HAND_OFF)[1] is Phase.SETTLING
+            before, after = self._apply(held, Event.HAND_OFF)
+            return before is not Phase.SETTLING and after is Phase.SETTLING
 
     def settled(self, held: Iterable[Held]) -> None:
         """Their settles committed, or were refused: no longer held."""
@@ -187,7 +204,8 @@ class Jobs:
 
     def overdue(self, now: float) -> tuple[list[Held], list[Held]]:
         """Jobs past their deadline: (never started: to defer, running: to retry). Both are
-        handed to the settler by this call; running ones are also cancelled."""
+        handed to the settler by this call and cancelled (a wait for an admission ends, a
+        running lookup is told to stop)."""
         never: list[Held] = []
         running: list[Held] = []
         with self._lock:
@@ -199,18 +217,19 @@ class Jobs:
                     never.append(h)
                 elif after is Phase.ABANDONED and before is Phase.STARTED:
                     running.append(h)
-        for h in running:
+        for h in never + running:
             _cancel(h)
         return never, running
 
-    def lose(self, ids: Iterable[int]) -> list[Held]:
-        """The heartbeat found these leases gone; the jobs that really lost theirs (a job
-        already handed to the settler did not: its settle committed first)."""
+    def lose(self, held: Iterable[Held]) -> list[Held]:
+        """The heartbeat found the leases of these claims gone; the jobs that really lost
+        theirs (a job already handed to the settler did not: its settle committed first;
+        a newer claim of the same row is another job, untouched)."""
         lost: list[Held] = []
         with self._lock:
-            for i in ids:
-                h = self._held.get(i)
-                if h is not None and self._apply(h, Event.LOSE)[1] is Phase.LOST:
+            for h in held:
+                before, after = self._apply(h, Event.LOSE)
+                if before is not Phase.LOST and after is Phase.LOST:
                     lost.append(h)
         for h in lost:
             _cancel(h)
@@ -223,12 +242,12 @@ class Jobs:
             for h in held:
                 h.lease_confirmed_at = max(h.confirmed, at)
 
-    def unconfirmed_since(self, before: float) -> list[int]:
+    def unconfirmed_since(self, before: float) -> list[Held]:
         """Jobs whose lease the heartbeat extends that no statement has confirmed since
         `before`: past a lease without a heartbeat, the lease may be someone else's."""
         alive = (Phase.CLAIMED, Phase.STARTED, Phase.FINISHED)
         with self._lock:
-            return [h.id for h in self._held.values() if h.phase in alive and h.confirmed < before]
+            return [h for h in self._held.values() if h.phase in alive and h.confirmed < before]
 
     def heartbeat_jobs(self) -> list[Held]:
         """Jobs whose lease the heartbeat extends: not yet handed to the settler."""

@@ -9,11 +9,13 @@ plug-in and loses attempts it never used. A thread whose plug-in hangs past the 
 deadline is abandoned (its job retried) and stays busy until the plug-in returns: the pool
 has a spare thread per slot, and once those are taken the worker claims less.
 
-For each unit the runner starts the jobs that may still start (one lost or abandoned
-meanwhile never does), checks each (known kind, payload, mirrored ticket), admits the
-lookup fleet-wide (budget, warehouse cap), runs the enricher (the unit's suspects, whose
-previous attempt lost its process, in a child process: `enrichq_service.isolate`),
-validates each result where it enters, and hands the settler one settlement per job.
+For each unit the runner checks each job (known kind, payload, mirrored ticket), admits
+the lookup fleet-wide (budget, warehouse cap), starts the jobs that may still start (one
+deferred, lost or abandoned meanwhile never does: a job is not running while it waits for
+its admission, and its attempt is given back if its deadline passes then), runs the
+enricher (the unit's suspects, whose previous attempt lost its process, in a child
+process: `enrichq_service.isolate`), validates each result where it enters, and hands the
+settler one settlement per job.
 """
 
 from __future__ import annotations
@@ -36,16 +38,18 @@ from enrichq_service.enrich import (
     EnricherChoice,
     Enrichment,
     Lookup,
+    PluginAborted,
     Result,
     charge_of,
     enrich_all,
     error_text,
+    split_bytes,
     validate,
 )
 from enrichq_service.errors import Deferral, PermanentError, TransientError
 from enrichq_service.isolate import enrich_in_child, is_suspect
 from enrichq_service.queue import SettleAction
-from enrichq_service.worker.admission import NOT_NEEDED, Admission, Admitted, Refused
+from enrichq_service.worker.admission import NOT_NEEDED, Admission, Admitted, Refused, Withdrawn
 from enrichq_service.worker.lifecycle import Held, Jobs
 from enrichq_service.worker.settler import Settlement
 
@@ -58,6 +62,19 @@ SPARE_THREADS_PER_SLOT = 1
 
 class NotMirrored(TransientError):
     """The ticket is not in the help-desk mirror yet: transient, retried with backoff."""
+
+
+# The error of a lookup still running when its worker had to stop without it.
+COST_UNKNOWN = "the worker stopped before this lookup returned: it ran, its cost is unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class _Running:
+    """A unit's lookup from its admission until its jobs are handed to the settler."""
+
+    held: list[Held]
+    admitted: Admitted
+    began: float  # time.monotonic()
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +113,8 @@ class Runner:
         self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="enrichq-job")
         self._lock = threading.Lock()
         self._busy = 0
+        # the lookups running now (admitted, not yet handed to the settler), by unit
+        self._running: dict[int, _Running] = {}
         self.errors: list[BaseException] = []  # unexpected errors of unit threads (fatal)
 
     @property
@@ -131,6 +150,36 @@ class Runner:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def lookups_running(self) -> list[Lookup]:
+        """The lookup records of the lookups still running (a plug-in deaf to
+        cancellation), for a worker that must stop without them: each ran, at a cost not
+        known, so it is recorded as an error charged its share of the bytes its admission
+        reserved (the expected cost), and its admission released."""
+        with self._lock:
+            running = list(self._running.values())
+        now = time.monotonic()
+        lookups: list[Lookup] = []
+        for run in running:
+            shares = split_bytes(run.admitted.reserved, len(run.held))
+            for held, share in zip(run.held, shares, strict=True):
+                lookups.append(
+                    Lookup(
+                        queue_id=held.id,
+                        claim_token=held.job.claim_token,
+                        ticket_id=held.job.key,
+                        attempt=held.job.attempts,
+                        job_id=None,
+                        bytes_billed=share,
+                        rows=0,
+                        duration_ms=(now - run.began) * 1000,
+                        status="error",
+                        looked_up_at=database_time(held, run.began),
+                        error=COST_UNKNOWN,
+                        admission=run.admitted.token,
+                    )
+                )
+        return lookups
+
     # -- one unit
 
     def _run_unit(self, unit: list[Held]) -> None:
@@ -145,34 +194,57 @@ class Runner:
                 self._busy -= 1
 
     def _run(self, unit: list[Held]) -> None:
-        started = self._jobs.start(unit)
         ready: list[Held] = []
-        for held in started:
+        for held in unit:
             problem = _precheck(held)
             if problem is None:
                 ready.append(held)
             else:
-                self._hand_off(held, _settlement_for(held, problem, None), finished=True)
+                self._hand_off(held, _settlement_for(held, problem, None), finished=False)
         if not ready:
             return
-        deadline = min(h.deadline for h in ready)
-        # set when the whole unit is abandoned or lost: waits end, the lookup is told to stop
+        # set when the whole unit is deferred, abandoned or lost: waits end, the lookup is
+        # told to stop
         cancelled = threading.Event()
         with self._jobs.interruptible(ready, cancelled.set):
+            # admitted before the jobs start: waiting for a slot is not running, and a job
+            # whose deadline passes meanwhile is deferred with its attempt given back
             try:
                 admitted = self._admission.admit(cancelled)
+            except Withdrawn:
+                return
             except Refused as exc:
                 if exc.reason == "budget":
                     self._on_budget_refused()
                 for held in ready:
-                    self._hand_off(held, _settlement_for(held, exc, None), finished=True)
+                    self._hand_off(held, _settlement_for(held, exc, None), finished=False)
                 return
-            outcomes, lookups = self._enrich(ready, admitted, deadline, cancelled)
-        for outcome in outcomes:
-            lookup = lookups.get(outcome.held.id)
-            self._hand_off(
-                outcome.held, _settlement_for(outcome.held, outcome.value, lookup), finished=True
-            )
+            started = self._jobs.start(ready)
+            if not started:
+                self._admission.give_back(admitted)
+                return
+            deadline = min(h.deadline for h in started)
+            with self._lock:
+                self._running[id(unit)] = _Running(started, admitted, time.monotonic())
+            try:
+                outcomes, lookups = self._enrich(started, admitted, deadline, cancelled)
+            except BaseException:
+                self._forget(unit)
+                raise
+        try:
+            for outcome in outcomes:
+                lookup = lookups.get(outcome.held.id)
+                self._hand_off(
+                    outcome.held,
+                    _settlement_for(outcome.held, outcome.value, lookup),
+                    finished=True,
+                )
+        finally:
+            self._forget(unit)
+
+    def _forget(self, unit: list[Held]) -> None:
+        with self._lock:
+            self._running.pop(id(unit), None)
 
     def _enrich(
         self, ready: list[Held], admitted: Admitted, deadline: float, cancelled: threading.Event
@@ -219,6 +291,16 @@ class Runner:
                 return [Outcome(h, exc) for h in held]
         else:
             values = enrich_all(self._enricher, tickets, context)
+            if _aborted_batch(values) and not cancelled.is_set():
+                # a batch call raised a BaseException (PluginAborted): which ticket caused
+                # it is found in child processes, halving, in this same attempt, so the
+                # tickets beside it get their outcome now
+                log.warning(
+                    "a batch enrichment of %d tickets raised %s: enriching them in child processes",
+                    len(tickets),
+                    next(iter(values.values())),
+                )
+                return self._outcomes(held, deadline, cancelled, isolated=True)
         return [_checked(h, values[h.job.key]) for h in held]
 
     def _hand_off(self, held: Held, settlement: Settlement, *, finished: bool) -> None:
@@ -227,6 +309,11 @@ class Runner:
         elif settlement.lookup is not None:
             # abandoned or lost meanwhile: its result must not land, its lookup is charged
             self._settle(Settlement(held, None, lookup=settlement.lookup))
+
+
+def _aborted_batch(values: Mapping[str, object]) -> bool:
+    """Did a batch call for several tickets raise a BaseException (not an Exception)?"""
+    return any(isinstance(v, PluginAborted) and v.shared for v in values.values())
 
 
 def _checked(held: Held, value: object) -> Outcome:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import sys
 import threading
 import time
 from collections import Counter
@@ -40,7 +42,7 @@ from enrichq_schema.settings import Settings
 from enrichq_schema.states import Component, Kind, Outcome, StopReason
 from enrichq_schema.tables import LEASED_KEY_INDEX
 from enrichq_service import queue as q
-from enrichq_service.enrich import EnricherChoice, choose, error_text, read_tickets
+from enrichq_service.enrich import EnricherChoice, choose, error_text, log_lookups, read_tickets
 from enrichq_service.worker.admission import Admission
 from enrichq_service.worker.db import Backoff, ThreadConnection, is_unavailable
 from enrichq_service.worker.engines import WorkerEngines, build_engines
@@ -59,6 +61,9 @@ KINDS: tuple[str, ...] = (Kind.ENRICH.value, Kind.REFRESH.value)
 CLAIM_GATHER_SECONDS = 0.02
 # On shutdown, how long the settler may take to flush what it was handed.
 FLUSH_SECONDS = 10.0
+# On shutdown, how long lookups told to stop at the end of the grace may take to return
+# (what they cost is then charged; one still running is recorded at an unknown cost).
+LATE_LOOKUP_SECONDS = 5.0
 DEADLINE_EXCEEDED = "attempt deadline of {seconds:g} s exceeded"
 SHUT_DOWN_MID_ATTEMPT = "worker shut down mid-attempt"
 
@@ -359,11 +364,43 @@ class Worker:
             self._wake.clear()
         never, running = self.jobs.overdue(float("inf"))
         self._hand(never, running, SHUT_DOWN_MID_ATTEMPT)
+        # The lookups told to stop may still return (a plug-in deaf to cancellation): what
+        # they cost is charged by the settler, which runs until they have or time is up.
+        late_deadline = time.monotonic() + LATE_LOOKUP_SECONDS
+        while self.runner.busy() and time.monotonic() < late_deadline and self._fatal is None:
+            time.sleep(0.02)
         settler_stop.set()
         flush_deadline = time.monotonic() + FLUSH_SECONDS
         while (len(self.jobs) or self.settler.pending()) and time.monotonic() < flush_deadline:
             time.sleep(0.02)
         give_up.set()
+        self._record_lookups_left_running()
+
+    def _record_lookups_left_running(self) -> None:
+        """Record the lookups still running, which this process stops without: each ran
+        at a cost not known (`Runner.lookups_running`), and its warehouse slot and bytes
+        reservation are released. Recorded once per claim, like every lookup: if one
+        returns after all, nothing is charged twice."""
+        lookups = self.runner.lookups_running()
+        if not lookups:
+            return
+        try:
+            with self.engine.begin() as conn:
+                logged = log_lookups(conn, lookups, now=None)
+        except sa_exc.SQLAlchemyError as exc:
+            log.warning(
+                "could not record %d lookup(s) still running at stop (%s): their "
+                "reservations expire a lease from now",
+                len(lookups),
+                error_text(exc),
+            )
+            return
+        metrics.lookups_total.labels("error").inc(logged)
+        log.warning(
+            "stopping without %d lookup(s) still running past the grace period: recorded "
+            "as run at an unknown cost",
+            logged,
+        )
 
     def _start_run(self) -> int | None:
         try:
@@ -422,7 +459,15 @@ def run_worker(
         with stop_on_signals(worker.stop, doing="finishing in-flight work"):
             result = worker.run(drain=drain, time_budget=time_budget)
     log.info("worker stopped: %s %s", result.stop_reason.value, dict(result.counts))
+    code = 0
     if result.stop_reason is StopReason.ERROR:
         say(f"worker stopped on an error: {result.error}")
-        return 1
-    return 0
+        code = 1
+    if worker.runner.busy():
+        # a plug-in deaf to cancellation still holds a job thread, which the interpreter
+        # would wait for at exit: its lookup is recorded (`Worker._wind_down`), go now
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

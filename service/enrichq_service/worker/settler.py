@@ -11,9 +11,12 @@ When a group's transaction fails:
   and only the reply been lost: running it again changes nothing twice (the settle is
   fenced, lookups are recorded once per claim), and a job the second run finds settled is
   read back, so its outcome is what really happened, not "lost";
-- for anything else (the database refused a value, a bug in a plug-in's result that
-  validation missed), the group is settled again one job per transaction, so only the
-  guilty job is affected: its result refused is recorded as a failure naming the error.
+- for anything else (the database refused a value, the driver could not send one, a bug
+  in a plug-in's result that validation missed: any exception at all), the group is
+  settled again one job per transaction, so only the guilty job is affected: its result
+  refused is recorded as a failure naming the error, with its lookup stripped to what
+  cannot be refused. No value of one group stops the settler or leaves the other jobs of
+  the group leased.
 
 Nothing else changes the settler's state; it owns its connection and its queue.
 """
@@ -36,7 +39,14 @@ from enrichq_schema import metrics
 from enrichq_schema.settings import Settings
 from enrichq_schema.states import Outcome
 from enrichq_service import queue as q
-from enrichq_service.enrich import Lookup, Result, error_text, log_lookups, write_results
+from enrichq_service.enrich import (
+    BYTES_MAX,
+    Lookup,
+    Result,
+    error_text,
+    log_lookups,
+    write_results,
+)
 from enrichq_service.worker.db import Backoff, ThreadConnection, is_unavailable
 from enrichq_service.worker.lifecycle import Held, Jobs
 
@@ -135,10 +145,11 @@ class Settler:
             self._conn.close()
 
     def flush(self, group: Sequence[Settlement]) -> None:
-        """Settle a group; split it when the database refuses it for its contents."""
+        """Settle a group; split it when it fails for its contents (anything but the
+        database being unavailable, which the caller retries)."""
         try:
             outcomes = self._settle(group)
-        except sa_exc.SQLAlchemyError as exc:
+        except Exception as exc:
             if is_unavailable(exc):
                 raise
             log.warning(
@@ -151,29 +162,35 @@ class Settler:
         self._account(group, outcomes)
 
     def _settle_alone(self, settlement: Settlement) -> dict[int, Outcome]:
-        """One job in a transaction of its own; a result the database refuses becomes a
-        failure that names the refusal (its lookup still recorded)."""
+        """One job in a transaction of its own. A job refused (by the database, the driver,
+        anything) is settled again as a failure that names the refusal, its lookup still
+        recorded but stripped to numbers and that text; a late lookup refused is recorded
+        stripped the same way."""
         try:
             return self._settle([settlement])
-        except sa_exc.SQLAlchemyError as exc:
-            if is_unavailable(exc) or settlement.action is None:
+        except Exception as exc:
+            if is_unavailable(exc):
                 raise
             refused = f"the database refused this job's result: {error_text(exc)}"
-            log.warning("queue row %d: %s", settlement.held.id, refused)
-            failed = replace(
-                settlement, action=q.SettleAction.FAIL, result=None, error=refused, until=None
-            )
-            try:
-                return self._settle([failed])
-            except sa_exc.SQLAlchemyError as again:
-                if is_unavailable(again):
-                    raise
-                # nothing of it can be stored: leave the row to its lease and the sweeper
-                log.error(
-                    "queue row %d cannot be settled: %s", settlement.held.id, error_text(again)
-                )
-                metrics.worker_errors_total.labels("settler").inc()
-                return {}
+        log.warning("queue row %d: %s", settlement.held.id, refused)
+        action = None if settlement.action is None else q.SettleAction.FAIL
+        failed = replace(
+            settlement,
+            action=action,
+            result=None,
+            error=refused,
+            until=None,
+            lookup=_stripped(settlement.lookup, refused),
+        )
+        try:
+            return self._settle([failed])
+        except Exception as again:
+            if is_unavailable(again):
+                raise
+            # nothing of it can be stored: leave the row to its lease and the sweeper
+            log.error("queue row %d cannot be settled: %s", settlement.held.id, error_text(again))
+            metrics.worker_errors_total.labels("settler").inc()
+            return {}
 
     def _settle(self, group: Sequence[Settlement]) -> dict[int, Outcome]:
         settles = [s for s in (g.settle() for g in group) if s is not None]
@@ -219,3 +236,12 @@ class Settler:
         for name, n in tally.items():
             self._counted(name, n)
         self._freed()
+
+
+def _stripped(lookup: Lookup | None, error: str) -> Lookup | None:
+    """`lookup` with nothing that could be refused left: no warehouse job id, `error` (one
+    printable line) as its error, its bytes as validation bounds them (else none)."""
+    if lookup is None:
+        return None
+    billed = lookup.bytes_billed if 0 <= lookup.bytes_billed <= BYTES_MAX else 0
+    return replace(lookup, job_id=None, error=error, status="error", bytes_billed=billed)

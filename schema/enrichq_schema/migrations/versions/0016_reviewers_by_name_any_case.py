@@ -6,7 +6,7 @@ unique per run in place of the name itself. Approvals that only the case of the 
 apart are merged first, keeping the earliest (its time and note).
 
 Revision ID: 0016
-Revises: 0009
+Revises: 0015
 Create Date: 2026-12-04 17:10:00
 """
 
@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0016"
-down_revision: str | None = "0009"
+down_revision: str | None = "0015"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -1,0 +1,132 @@
+"""The settler against real PostgreSQL: whatever one job of a group holds, the others settle.
+
+Validation (`enrichq_service.enrich.validate`) keeps what the database cannot store out of
+the settler; these tests hand the settler such values directly (what a gap in validation
+would let through) and hold it to its promise: the group is settled again one job at a
+time, only the culprit fails, every lookup is recorded and charged once, and the settler
+thread goes on.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import replace
+from datetime import datetime, timedelta, tzinfo
+
+import pytest
+import sqlalchemy as sa
+from tests.support.db import q
+from tests.support.enrichers import SURROGATE
+from tests.support.settings import make_settings
+from tests.support.world import seeded
+
+from enrichq_service import queue
+from enrichq_service.enrich import Enrichment, Lookup, Order, Result
+from enrichq_service.worker.lifecycle import Held, Jobs
+from enrichq_service.worker.settler import Settlement, Settler
+
+OWNER = "settler-test"
+BILLED = 1000
+
+
+class Broken(tzinfo):
+    """A time zone whose offset no datetime accepts: the driver raises ValueError."""
+
+    def utcoffset(self, dt: datetime | None) -> timedelta:
+        return timedelta(hours=30)
+
+    def dst(self, dt: datetime | None) -> timedelta:
+        return timedelta(0)
+
+    def tzname(self, dt: datetime | None) -> str:
+        return "broken"
+
+
+def _culprit(settlement: Settlement, kind: str) -> Settlement:
+    """`settlement` spoilt in the way `kind` names."""
+    assert settlement.result is not None
+    assert settlement.lookup is not None
+    if kind == "surrogate_order_id":  # UnicodeEncodeError while binding
+        spoilt = Enrichment((Order(f"O-{SURROGATE}"),))
+        return replace(settlement, result=replace(settlement.result, enrichment=spoilt))
+    if kind == "surrogate_job_id":  # the same, in the lookup log
+        return replace(settlement, lookup=replace(settlement.lookup, job_id=f"j-{SURROGATE}"))
+    if kind == "broken_time_zone":  # ValueError while binding
+        spoilt = Enrichment((Order("O-1", placed_at=datetime(2026, 1, 1, tzinfo=Broken())),))
+        return replace(settlement, result=replace(settlement.result, enrichment=spoilt))
+    if kind == "surrogate_error":  # a retry whose error text was never escaped
+        return replace(settlement, action=queue.SettleAction.RETRY, result=None, error=SURROGATE)
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize(
+    "kind", ["surrogate_order_id", "surrogate_job_id", "broken_time_zone", "surrogate_error"]
+)
+def test_one_unstorable_job_fails_alone_and_the_settler_goes_on(
+    db_url: str, db_engine: sa.Engine, kind: str
+) -> None:
+    keys = seeded(db_engine, 12)
+    with db_engine.begin() as conn:
+        claimed = queue.claim(conn, owner=OWNER, limit=len(keys), lease_seconds=60)
+    assert len(claimed) == len(keys)
+    jobs = Jobs()
+    held = [Held(job, None, deadline=float("inf")) for job in claimed]
+    jobs.add(held)
+    jobs.start(held)
+    counts: Counter[str] = Counter()
+    settler = Settler(
+        db_engine,
+        make_settings(db_url),
+        OWNER,
+        jobs,
+        counted=lambda outcome, n: counts.update({outcome: n}),
+        freed=lambda: None,
+    )
+    group = []
+    for h in held:
+        assert jobs.hand_off(h, finished=True)
+        lookup = Lookup(
+            h.id, h.job.claim_token, h.job.key, h.job.attempts, "job", BILLED, 1, 5.0, "ok", None
+        )
+        result = Result(h.id, h.job.key, Enrichment((Order(f"O-{h.job.key}"),)), None)
+        group.append(Settlement(h, queue.SettleAction.COMPLETE, result=result, lookup=lookup))
+    culprit = held[5].job.key
+    group[5] = _culprit(group[5], kind)
+    for settlement in group:
+        settler.put(settlement)
+
+    stop, give_up, died = threading.Event(), threading.Event(), []
+
+    def run() -> None:
+        try:
+            settler.run(stop, give_up)
+        except BaseException as exc:
+            died.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    stop.set()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert died == []
+    assert len(jobs) == 0  # nothing left held, nothing left leased below
+    states = q(db_engine, "SELECT key, state, last_error FROM enrichq.queue ORDER BY key")
+    assert {key: state for key, state, _ in states if key != culprit} == dict.fromkeys(
+        (k for k in keys if k != culprit), "done"
+    )
+    [(state, error)] = [(state, error) for key, state, error in states if key == culprit]
+    assert state == "failed"
+    assert "refused" in error
+    assert SURROGATE not in error
+    assert counts == {"done": len(keys) - 1, "failed": 1}
+    # every lookup recorded and charged once, the culprit's too
+    assert q(db_engine, "SELECT count(*), sum(bytes_billed) FROM enrichq.lookup_log") == [
+        (len(keys), BILLED * len(keys))
+    ]
+    assert q(db_engine, "SELECT lookups, bytes_billed FROM enrichq.budget_ledger") == [
+        (len(keys), BILLED * len(keys))
+    ]
+    assert q(
+        db_engine, "SELECT count(*) FROM enrichq.ticket_orders WHERE ticket_id = :k", k=culprit
+    ) == [(0,)]
