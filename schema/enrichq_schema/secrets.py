@@ -35,7 +35,8 @@ def redacted_url(url: str | URL) -> str:
     hidden = {name: MASK for name in parsed.query if name.lower() in SECRET_OPTIONS}
     if hidden:
         parsed = parsed.update_query_dict(hidden)
-    return parsed.render_as_string(hide_password=True)
+    # the query's mask comes back percent-encoded; the userinfo's is written as it is
+    return parsed.render_as_string(hide_password=True).replace("%2A%2A%2A", MASK)
 
 
 def secrets_of_url(url: str | URL) -> list[str]:

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+import prometheus_client
 import sqlalchemy as sa
 import sqlalchemy.exc as sa_exc
 
@@ -91,6 +92,56 @@ class Tally:
     def snapshot(self) -> Counter[str]:
         with self._lock:
             return Counter(self._counts)
+
+
+SUMMARY_SECONDS = 60.0
+"""How often a running worker logs a one-line account of its work (at INFO)."""
+
+
+class Summary:
+    """The one-line account of a worker's work since the last one: rows claimed and their
+    outcomes (from the run's tally), lookups and bytes billed (from the process's counters)."""
+
+    def __init__(self, tally: Tally, *, every: float = SUMMARY_SECONDS) -> None:
+        self._tally = tally
+        self._every = every
+        self._last_at = time.monotonic()
+        self._last = self._now()
+
+    def _now(self) -> Counter[str]:
+        counts = self._tally.snapshot()
+        counts["lookups"] = int(_counter_total(metrics.lookups_total))
+        counts["bytes_billed"] = int(_counter_total(metrics.warehouse_bytes_billed_total))
+        return counts
+
+    def due(self) -> bool:
+        """Whether a summary is due (a minute since the last)."""
+        return time.monotonic() - self._last_at >= self._every
+
+    def line(self) -> str:
+        """The account since the last line (and start counting again)."""
+        now, at = self._now(), time.monotonic()
+        delta = now - self._last  # Counter subtraction keeps positive counts only
+        seconds = at - self._last_at
+        self._last, self._last_at = now, at
+        parts = ", ".join(
+            f"{name.replace('_', ' ')} {delta[name]:,}"
+            for name in ("claimed", "done", "retry", "failed", "dead_letter", "deferred", "lost")
+        )
+        return (
+            f"worker: last {seconds:.0f} s: {parts}; lookups {delta['lookups']:,}, "
+            f"bytes billed {delta['bytes_billed']:,}"
+        )
+
+
+def _counter_total(counter: prometheus_client.Counter) -> float:
+    """The sum of a counter's samples over all its labels."""
+    return sum(
+        sample.value
+        for family in counter.collect()
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    )
 
 
 class _WakingEvent(threading.Event):
@@ -211,7 +262,10 @@ class Worker:
     ) -> tuple[StopReason, str | None]:
         """Claim until a reason to stop; that reason (and the error, for `error`)."""
         backoff = Backoff()
+        summary = Summary(self._tally)
         while True:
+            if summary.due():
+                log.info("%s", summary.line())
             if self.stop.is_set():
                 return StopReason.SHUTDOWN, None
             if self.runner.errors and self._fatal is None:
@@ -451,14 +505,30 @@ def run_worker(
     Before anything starts, the preflight (`connections.preflight`): a database that
     cannot be reached stops the worker with its error (exit 1), a pool mode that the URL
     contradicts with a SettingsError (exit 2); a worker never loops on either."""
+    from enrichq_schema.db import redact
     from enrichq_service.observe import start_metrics_server
 
     connections.preflight(settings, url)
     with worker_process(settings, url) as (worker, _):
         start_metrics_server(settings.metrics_port)
+        log.info(
+            "worker %s starting: database %s, warehouse %s, kinds %s, concurrency %d, "
+            "lookup batch %d%s",
+            worker.owner,
+            redact(url),
+            redact(settings.warehouse_url) if settings.warehouse_url else "the database",
+            ",".join(worker.kinds),
+            settings.concurrency,
+            settings.lookup_batch_size,
+            ", draining" if drain else "",
+        )
         with stop_on_signals(worker.stop, doing="finishing in-flight work"):
             result = worker.run(drain=drain, time_budget=time_budget)
-    log.info("worker stopped: %s %s", result.stop_reason.value, dict(result.counts))
+    log.info(
+        "worker stopped (%s): %s",
+        result.stop_reason.value,
+        ", ".join(f"{k} {v:,}" for k, v in sorted(result.counts.items())) or "nothing done",
+    )
     code = 0
     if result.stop_reason is StopReason.ERROR:
         say(f"worker stopped on an error: {result.error}")
