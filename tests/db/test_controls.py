@@ -82,10 +82,10 @@ def act(
     for start in range(0, len(selection.ids), batch_size):
         ids = selection.ids[start : start + batch_size]
         if command is AuditCommand.CANCEL:
-            done.update(controls.cancel_batch(conn, flt, ids, now=T0))
+            done.update(controls.cancel_batch(conn, flt, ids, now=T0, started=selection.started))
         else:
             done.update(controls.discard_batch(conn, flt, ids, now=T0))
-    return done
+    return +done  # the counts that are not zero
 
 
 # -- cancel
@@ -162,7 +162,7 @@ def claimed(conn: sa.Connection, key: str) -> Job:
 
 def test_a_cancelled_leased_row_fences_its_worker(conn: sa.Connection) -> None:
     job = claimed(conn, "T-1")
-    assert act(conn, AuditCommand.CANCEL, keys=["T-1"]) == {"queued": 0, "leased": 1}
+    assert act(conn, AuditCommand.CANCEL, keys=["T-1"]) == {"leased": 1}
     later = T0 + timedelta(seconds=5)
     # the heartbeat reports the lease lost, so the handler is told to stop ...
     assert q.heartbeat(conn, owner=OWNER, jobs=[job], lease_seconds=60, now=later) == {job.id}
@@ -231,10 +231,10 @@ def test_discard_by_id_refuses_rows_that_are_not_dead_letters(conn: sa.Connectio
 
 
 SCOPE_STATEMENTS = {
-    "open_filter": {"controls_select_open", "controls_cancel_batch"},
-    "dead_filter": {"controls_select_dead", "controls_discard_batch", "controls_redrive_batch"},
+    "open_filter": {"controls_page_queued", "controls_page_leased", "controls_cancel_batch"},
+    "dead_filter": {"controls_page_dead", "controls_discard_batch", "controls_redrive_batch"},
 }
-SELECTS = {"controls_select_open", "controls_select_dead"}
+SELECTS = {"controls_page_queued", "controls_page_leased", "controls_page_dead"}
 
 
 def test_every_statement_of_a_scope_applies_that_scopes_filter() -> None:
@@ -248,8 +248,6 @@ def test_every_statement_of_a_scope_applies_that_scopes_filter() -> None:
             binds = set(queries[name].text.compile().params)
             assert binds >= criteria, name
             assert ("ids" in binds) == (name in SELECTS), name
-    # the select of open rows filters both its reads, one per partial index
-    assert queries["controls_select_open"].fragments.count("open_filter") == 2
     # and no other statement holds a filter
     filtered = {name for name, query in queries.items() if query.fragments}
     assert filtered == set().union(*SCOPE_STATEMENTS.values())
@@ -298,7 +296,7 @@ def test_a_run_works_in_batches_and_its_audit_row_follows_each_commit(
         result.audit_id,
     )
     assert entry.filter == {"scope": "open", "tenant": "acme"}
-    assert entry.detail == {"matched": 5, "queued": 5, "leased": 0}
+    assert entry.detail == {"matched": 5, "queued": 5, "leased": 0, "kept": 0}
     assert entry.finished_at is not None
     assert len(ids) == 5
 
@@ -329,11 +327,11 @@ def test_an_interrupted_run_keeps_its_committed_batches_and_an_unfinished_audit_
     assert (entry.command, entry.rows_affected, entry.finished_at) == ("dlq discard", 2, None)
 
 
-def test_a_dry_run_counts_and_samples_in_lock_order_and_changes_nothing(
+def test_a_dry_run_counts_and_samples_in_selection_order_and_changes_nothing(
     db_engine: sa.Engine,
 ) -> None:
     with db_engine.begin() as conn:
-        # lock order is (key, kind, id) by bytes: "B" < "a", and ids against it
+        # the selection reads the queued rows by (kind, key), then the leased ones
         a = row(conn, "a")
         b_refresh = row(conn, "B", kind="refresh", reason="refresh")
         b_enrich = row(conn, "B", "leased")
@@ -353,11 +351,11 @@ def test_a_dry_run_counts_and_samples_in_lock_order_and_changes_nothing(
         None,
     )
     assert result.states == {"queued": 2, "leased": 1}
-    assert [s.id for s in result.sample] == [b_enrich, b_refresh]
+    assert [s.id for s in result.sample] == [a, b_refresh]
     with db_engine.connect() as conn:
         assert conn.execute(sa.select(queue).order_by(queue.c.id)).all() == before
         assert audit.recent(conn) == []
-    assert a not in [s.id for s in result.sample]
+    assert b_enrich not in [s.id for s in result.sample]
 
 
 def test_a_batch_locks_its_rows_in_key_kind_id_order(db_engine: sa.Engine) -> None:
@@ -374,7 +372,7 @@ def test_a_batch_locks_its_rows_in_key_kind_id_order(db_engine: sa.Engine) -> No
     flt = Filter.build(Scope.OPEN, all_rows=True)
     with db_engine.connect() as conn:
         selection = controls.select(conn, flt)
-    assert selection.ids == tuple(ids[k] for k in sorted(keys))
+    assert tuple(selection.ids) == tuple(ids[k] for k in sorted(keys))
 
     blocker = db_engine.connect()
     blocker_tx = blocker.begin()
