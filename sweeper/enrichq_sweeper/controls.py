@@ -314,13 +314,16 @@ def run(
         raise ValueError("batch_size must be at least 1")
     actor = audit.check_actor(actor)
     with engine.connect() as conn:
-        with conn.begin():
-            # every page of the selection reads one snapshot, each page its own statement
-            conn.execute(sql()("controls_snapshot"))
-            set_statement_timeout(conn, statement_timeout_seconds)
-            selection = select(conn, flt, now=now, page_size=page_size)
-            predicted = preview(conn, command, selection)
-            shown = tuple(sample(conn, selection.ids, sample_size)) if dry_run else ()
+        try:
+            with conn.begin():
+                # every page of the selection reads one snapshot, each its own statement
+                conn.execute(sql()("controls_snapshot"))
+                set_statement_timeout(conn, statement_timeout_seconds)
+                selection = select(conn, flt, now=now, page_size=page_size)
+                predicted = preview(conn, command, selection)
+                shown = tuple(sample(conn, selection.ids, sample_size)) if dry_run else ()
+        except sa_exc.DBAPIError as exc:
+            raise ActionStopped(ActionResult(command, flt, 0, {}, 0, dry_run), exc) from exc
         would = ActionResult(
             command,
             flt,
@@ -423,8 +426,14 @@ def run_cli(
     dry_run: bool,
     as_json: bool = False,
     batch_size: int = DEFAULT_BATCH_SIZE,
+    confirm: Callable[[ActionResult], bool] | None = None,
+    on_batch: Callable[[int, Mapping[str, int]], None] | None = None,
+    on_end: Callable[[], None] | None = None,
 ) -> None:
-    """Run an action from the command line and print what it did (or would do)."""
+    """Run an action from the command line and print what it did (or would do).
+
+    `confirm` and `on_batch` are `run`'s; `on_end` is told when the action ends, however it
+    ends, before anything is printed (a progress display stops there)."""
     from enrichq_schema.connections import create_engine
 
     engine = create_engine(settings, url, application_name=f"enrichq-{command.value}", pool_size=1)
@@ -437,21 +446,61 @@ def run_cli(
             dry_run=dry_run,
             batch_size=batch_size,
             statement_timeout_seconds=settings.statement_timeout_seconds,
+            confirm=confirm,
+            on_batch=on_batch,
         )
     except (FilterError, audit.AuditInputError) as exc:
+        _end(on_end)
         fail(f"{command.value}: {exc}; nothing changed")
+    except ActionStopped as stopped:
+        _end(on_end)
+        fail(stopped_message(stopped, settings.statement_timeout_seconds), Exit.FAILED)
     except KeyboardInterrupt:
+        _end(on_end)
         fail(
             f"{command.value}: interrupted; the batches committed so far stay done "
             "(`enrichq audit` shows how many rows)",
             Exit.INTERRUPTED,
         )
     finally:
+        _end(on_end)
         engine.dispose()
+    if result.dry_run and not dry_run:
+        fail(f"{command.value}: not confirmed; nothing changed", Exit.FAILED)
     if as_json:
         print(json.dumps(result_json(result), default=str))
     else:
         print_result(result)
+
+
+def _end(on_end: Callable[[], None] | None) -> None:
+    if on_end is not None:
+        on_end()
+
+
+def stopped_message(stopped: ActionStopped, statement_timeout_seconds: float) -> str:
+    """One line: why an action stopped, and what it committed before (which stays done)."""
+    from enrichq_schema.errors import describe_database_error
+
+    done = stopped.done
+    if stopped.timed_out:
+        why = (
+            f"a statement ran past the statement timeout ({statement_timeout_seconds:g} s, "
+            "ENRICHQ_STATEMENT_TIMEOUT_SECONDS)"
+        )
+    else:
+        why = describe_database_error(stopped.cause) or str(stopped.cause).splitlines()[0]
+    if done.audit_id is None:
+        return f"{done.command.value}: stopped while selecting rows: {why}; nothing changed"
+    if done.batches == 0:
+        return (
+            f"{done.command.value}: stopped during its first batch: {why}; nothing changed "
+            f"(audit id {done.audit_id} records the attempt)"
+        )
+    return (
+        f"{done.command.value}: stopped during batch {done.batches + 1}: {why}; the batches "
+        f"before it committed and stay done: {done_counts(done)}; run it again for the rest"
+    )
 
 
 def result_json(result: ActionResult) -> dict[str, Any]:

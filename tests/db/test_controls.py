@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import threading
 from collections import Counter
 from datetime import UTC, datetime, timedelta
@@ -465,6 +466,10 @@ def test_the_cli_cancels_discards_and_lists_the_audit(
         ["dlq", "discard"],
         ["dlq", "discard", "--reason", "created"],
         ["dlq", "redrive", "--older-than", "0d"],
+        ["cancel", "--id", "9223372036854775808"],
+        ["dlq", "discard", "--id", "99999999999999999999"],
+        ["cancel", "--tenant", "acme "],
+        ["dlq", "redrive", "--tenant", " acme"],
         ["audit", "--limit", "0"],
         ["audit", "--command", "explode"],
     ],
@@ -513,3 +518,166 @@ def test_keys_with_control_characters_are_shown_escaped(
         # escaped, and rich markup shown as text rather than obeyed
         assert "w\\x1b[2J\\nFAKELOGLINE[bold]x" in flat(printed)
         assert "t\\u202eevil" in flat(printed)
+
+
+def test_an_id_beyond_bigint_is_refused_by_name(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from enrichq_service.cli import main
+
+    monkeypatch.setenv("ENRICHQ_DATABASE_URL", db_url)
+    assert main(["cancel", "--id", str(2**63)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "--id" in err
+    assert "9223372036854775807" in err
+
+
+def test_a_padded_tenant_is_refused_naming_what_was_meant(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from enrichq_service.cli import main
+
+    monkeypatch.setenv("ENRICHQ_DATABASE_URL", db_url)
+    assert main(["cancel", "--tenant", "acme ", "--dry-run"]) == 2
+    assert capsys.readouterr().err == (
+        "enrichq: cancel: --tenant: 'acme ' has spaces around it (did you mean 'acme'?);"
+        " nothing changed\n"
+    )
+
+
+def test_an_action_stopped_by_the_statement_timeout_says_so_and_what_committed(
+    db_engine: sa.Engine, db_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Batch 2 waits for a row another transaction holds until the statement timeout stops
+    it: the line names the timeout (not "database unavailable") and what batch 1 did."""
+    with db_engine.begin() as conn:
+        ids = [row(conn, f"T-{i}") for i in range(3)]
+    blocker = db_engine.connect()
+    blocker_tx = blocker.begin()
+    blocker.execute(
+        sa.text("SELECT 1 FROM enrichq.queue WHERE id = :id FOR UPDATE"), {"id": ids[1]}
+    )
+    settings = make_settings(db_url, statement_timeout_seconds=0.5)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            controls.run_cli(
+                settings,
+                db_url,
+                AuditCommand.CANCEL,
+                Filter.build(Scope.OPEN, all_rows=True),
+                actor="ops",
+                dry_run=False,
+                batch_size=1,
+            )
+    finally:
+        blocker_tx.rollback()
+        blocker.close()
+    assert stopped.value.code == 1
+    err = capsys.readouterr().err
+    [entry] = audit.recent(db_engine.connect(), limit=5)
+    assert err == (
+        "enrichq: cancel: stopped during batch 2: a statement ran past the statement timeout"
+        " (0.5 s, ENRICHQ_STATEMENT_TIMEOUT_SECONDS); the batches before it committed and stay"
+        f" done: 1 cancelled (1 queued, 0 leased); 1 batch, audit id {entry.id}; run it again"
+        " for the rest\n"
+    )
+    with db_engine.connect() as conn:
+        assert [get(conn, i).state for i in ids] == ["dead_letter", "queued", "queued"]
+    assert (entry.rows_affected, entry.finished_at) == (1, None)
+
+
+def many_queued(engine: sa.Engine, n: int) -> None:
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO enrichq.queue (kind, key, reason, max_attempts)"
+                " SELECT 'enrich', 'P-' || g, 'updated', 3 FROM generate_series(1, :n) AS g"
+            ),
+            {"n": n},
+        )
+
+
+def open_count(engine: sa.Engine) -> int:
+    return int(
+        seen_from_outside(engine, "SELECT count(*) FROM enrichq.queue WHERE state = 'queued'")[0][0]
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "answer", "asked", "code", "left"),
+    [
+        (["cancel", "--all"], "n\n", True, 1, 3),
+        (["cancel", "--all"], "y\n", True, 0, 0),
+        (["cancel", "--all", "--yes"], "", False, 0, 0),
+        (["cancel", "--tenant", "acme"], "", False, 0, 3),  # not --all: no question
+    ],
+    ids=str,
+)
+def test_cancel_all_asks_on_a_terminal_unless_yes(
+    *,
+    db_engine: sa.Engine,
+    db_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    answer: str,
+    asked: bool,
+    code: int,
+    left: int,
+) -> None:
+    import io
+
+    from enrichq_service import cli_support
+    from enrichq_service.cli import main
+
+    many_queued(db_engine, 3)
+    monkeypatch.setenv("ENRICHQ_DATABASE_URL", db_url)
+    monkeypatch.setattr("sys.stdin", io.StringIO(answer))
+    monkeypatch.setattr(cli_support, "is_terminal", lambda stream: stream is sys.stdin)
+    assert main(args) == code
+    err = capsys.readouterr().err
+    assert ("cancel 3 rows (3 queued) matching --all? [y/N]" in err) == asked
+    if code == 1:
+        assert err.endswith("enrichq: cancel: not confirmed; nothing changed\n")
+    assert open_count(db_engine) == left
+
+
+def test_dlq_discard_all_asks_too(
+    db_engine: sa.Engine,
+    db_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import io
+
+    from enrichq_service import cli_support
+    from enrichq_service.cli import main
+
+    with db_engine.begin() as conn:
+        row(conn, "T-1", "dead_letter")
+    monkeypatch.setenv("ENRICHQ_DATABASE_URL", db_url)
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n"))  # the default is no
+    monkeypatch.setattr(cli_support, "is_terminal", lambda stream: stream is sys.stdin)
+    assert main(["dlq", "discard", "--all"]) == 1
+    assert "dlq discard 1 dead letter matching --all? [y/N]" in capsys.readouterr().err
+    assert seen_from_outside(db_engine, "SELECT count(*) FROM enrichq.queue")[0][0] == 1
+
+
+def test_a_long_run_reports_its_progress_in_plain_lines_when_not_on_a_terminal(
+    db_engine: sa.Engine,
+    db_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from enrichq_service.cli import main
+
+    many_queued(db_engine, 2500)
+    monkeypatch.setenv("ENRICHQ_DATABASE_URL", db_url)
+    assert main(["cancel", "--all"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("2500 rows matched --all: 2500 cancelled")
+    lines = captured.err.splitlines()
+    assert lines, "no progress"
+    assert re.fullmatch(r"enrichq: cancel: 2,500/2,500 rows, [\d,]+ rows/s", lines[-1])
+    assert all(line.startswith("enrichq: cancel: ") for line in lines)

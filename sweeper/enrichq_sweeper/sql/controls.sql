@@ -271,6 +271,30 @@ DO UPDATE SET reason = coalesce(EXCLUDED.reason, p.reason)
 RETURNING p.kind, p.tenant, p.reason, p.paused_by, p.paused_at, (p.xmax = 0) AS created;
 
 
+-- name: controls_scope_seen
+-- Whether work of :kinds (every kind a pause names) and :tenant (NULL: any) was ever seen:
+-- a tenant with a plan, claims counted for it (the fairness buckets), or open rows of it
+-- (through the claim index: ownerless work is tenant ''). A pause of a scope never seen
+-- may stop nothing (a misspelt tenant).
+SELECT EXISTS (
+           SELECT 1 FROM enrichq.tenants AS t
+           WHERE CAST(:tenant AS text) IS NOT NULL AND t.tenant = CAST(:tenant AS text))
+       OR EXISTS (
+           SELECT 1 FROM enrichq.tenant_served AS s
+           WHERE s.kind = ANY(CAST(:kinds AS text[]))
+             AND (CAST(:tenant AS text) IS NULL OR s.tenant = CAST(:tenant AS text)))
+       OR EXISTS (
+           SELECT 1 FROM enrichq.queue AS q
+           WHERE q.state = 'queued' AND q.kind = ANY(CAST(:kinds AS text[]))
+             AND (CAST(:tenant AS text) IS NULL
+                  OR coalesce(q.tenant, '') = CAST(:tenant AS text)))
+       OR EXISTS (
+           SELECT 1 FROM enrichq.queue AS q
+           WHERE q.state = 'leased' AND q.kind = ANY(CAST(:kinds AS text[]))
+             AND (CAST(:tenant AS text) IS NULL OR q.tenant = CAST(:tenant AS text)))
+       AS seen;
+
+
 -- name: controls_resume
 -- Resumes one scope exactly as it was paused (the pause of every kind of tenant acme is
 -- not resumed by resuming kind enrich alone); the pauses deleted.
