@@ -174,40 +174,42 @@ def select(
     params = {**flt.params(), "now": now, "page_size": page_size}
     if flt.scope is Scope.OPEN:
         ids = array("q")
-        for rows in _pages(conn, "controls_page_queued", params, ("kind", "key")):
-            ids.extend(r.id for r in rows)
+        for page in _pages(conn, "controls_page_queued", params, ("kind", "key")):
+            ids.extend(page.ids)
         queued = len(ids)
-        for rows in _pages(conn, "controls_page_leased", params, ("key",)):
-            ids.extend(r.id for r in rows)
+        for page in _pages(conn, "controls_page_leased", params, ("key",)):
+            ids.extend(page.ids)
         states = {"queued": queued, "leased": len(ids) - queued}
         return Selection(ids, states=states, started=started)
     ids, winners = array("q"), array("q")
-    ticket: tuple[str, str] | None = None
-    winner = 0
-    for rows in _pages(conn, "controls_page_dead", params, ("key", "kind", "id")):
-        for r in rows:
-            # newest first within a ticket (even across pages): its first row is the winner
-            if (r.kind, r.key) != ticket:
-                ticket, winner = (r.kind, r.key), r.id
-            ids.append(r.id)
-            winners.append(winner)
+    ticket: tuple[str, str] | None = None  # the last ticket of the page before, and
+    carried = 0  # its newest id
+    for page in _pages(conn, "controls_page_dead", params, ("key", "kind", "id")):
+        newest = list(page.winners)
+        if (page.first_kind, page.first_key) == ticket:
+            # the page starts inside that ticket: its newest dead letter came before
+            cut = newest[0]
+            newest = [carried if w == cut else w for w in newest]
+        ids.extend(page.ids)
+        winners.extend(newest)
+        ticket, carried = (page.last_kind, page.last_key), newest[-1]
     return Selection(ids, winners=winners, started=started)
 
 
 def _pages(
     conn: sa.Connection, name: str, params: Mapping[str, Any], cursor: tuple[str, ...]
-) -> Iterator[list[sa.Row[Any]]]:
-    """The pages of statement `name`, each after the last row of the one before (its
-    `cursor` columns bound as after_<column>), until a short page."""
+) -> Iterator[sa.Row[Any]]:
+    """The pages of statement `name` (each one row: `ids`, `n` and the last row's columns
+    as last_<column>), each after the last row of the one before (its `cursor` columns
+    bound as after_<column>), until a short page."""
     after: dict[str, Any] = dict.fromkeys(("after_kind", "after_key", "after_id"))
     while True:
-        rows = list(conn.execute(sql()(name), {**params, **after}))
-        if rows:
-            yield rows
-        if len(rows) < int(params["page_size"]):
+        page = conn.execute(sql()(name), {**params, **after}).one()
+        if page.n:
+            yield page
+        if page.n < int(params["page_size"]):
             return
-        last = rows[-1]
-        after.update({f"after_{column}": getattr(last, column) for column in cursor})
+        after.update({f"after_{column}": getattr(page, f"last_{column}") for column in cursor})
 
 
 def preview(conn: sa.Connection, command: AuditCommand, selection: Selection) -> dict[str, int]:

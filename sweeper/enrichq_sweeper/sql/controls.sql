@@ -56,45 +56,98 @@ AND (CAST(:older_than_seconds AS float8) IS NULL
 -- The next :page_size queued rows matching the filter after the cursor (:after_kind,
 -- :after_key; NULL: from the start), in the order of the queued-key index, which the page
 -- walks: a page reads the rows it returns (and those its filter skips), never the history.
-SELECT q.id, q.kind, q.key
-FROM enrichq.queue AS q
-WHERE q.state = 'queued'
-  AND (CAST(:after_key AS text) IS NULL
-       OR (q.kind, q.key) > (CAST(:after_kind AS text), CAST(:after_key AS text)))
-  AND (CAST(:ids AS bigint[]) IS NULL OR q.id = ANY(CAST(:ids AS bigint[])))
-  {{open_filter}}
-ORDER BY q.kind, q.key
-LIMIT :page_size;
+-- One row: their ids in that order, how many, and the last one's (kind, key), the cursor.
+-- (Rows are numbered in the index's order, so nothing sorts their text again.)
+WITH page AS (
+    SELECT q.id, q.kind, q.key, row_number() OVER (ORDER BY q.kind, q.key) AS n
+    FROM enrichq.queue AS q
+    WHERE q.state = 'queued'
+      AND (CAST(:after_key AS text) IS NULL
+           OR (q.kind, q.key) > (CAST(:after_kind AS text), CAST(:after_key AS text)))
+      AND (CAST(:ids AS bigint[]) IS NULL OR q.id = ANY(CAST(:ids AS bigint[])))
+      {{open_filter}}
+    ORDER BY q.kind, q.key
+    LIMIT :page_size
+),
+last AS (
+    SELECT p.kind, p.key FROM page AS p ORDER BY p.n DESC LIMIT 1
+)
+SELECT coalesce((SELECT array_agg(p.id ORDER BY p.n) FROM page AS p), '{}') AS ids,
+       (SELECT count(*) FROM page) AS n,
+       (SELECT kind FROM last) AS last_kind, (SELECT key FROM last) AS last_key;
 
 
 -- name: controls_page_leased
 -- The next :page_size leased rows matching the filter after the cursor (:after_key; NULL:
--- from the start), in the order of the leased-key index (one lease per key).
-SELECT q.id, q.kind, q.key
-FROM enrichq.queue AS q
-WHERE q.state = 'leased'
-  AND (CAST(:after_key AS text) IS NULL OR q.key > CAST(:after_key AS text))
-  AND (CAST(:ids AS bigint[]) IS NULL OR q.id = ANY(CAST(:ids AS bigint[])))
-  {{open_filter}}
-ORDER BY q.key
-LIMIT :page_size;
+-- from the start), in the order of the leased-key index (one lease per key). One row, as
+-- controls_page_queued.
+WITH page AS (
+    SELECT q.id, q.kind, q.key, row_number() OVER (ORDER BY q.key) AS n
+    FROM enrichq.queue AS q
+    WHERE q.state = 'leased'
+      AND (CAST(:after_key AS text) IS NULL OR q.key > CAST(:after_key AS text))
+      AND (CAST(:ids AS bigint[]) IS NULL OR q.id = ANY(CAST(:ids AS bigint[])))
+      {{open_filter}}
+    ORDER BY q.key
+    LIMIT :page_size
+),
+last AS (
+    SELECT p.kind, p.key FROM page AS p ORDER BY p.n DESC LIMIT 1
+)
+SELECT coalesce((SELECT array_agg(p.id ORDER BY p.n) FROM page AS p), '{}') AS ids,
+       (SELECT count(*) FROM page) AS n,
+       (SELECT kind FROM last) AS last_kind, (SELECT key FROM last) AS last_key;
 
 
 -- name: controls_page_dead
 -- The next :page_size dead letters matching the filter after the cursor (:after_key,
 -- :after_kind, :after_id; NULL: from the start), walking the dead-letter key index
 -- backwards: a ticket's dead letters come together, its newest first (the one a redrive
--- queues again).
-SELECT q.id, q.kind, q.key
-FROM enrichq.queue AS q
-WHERE q.state = 'dead_letter'
-  AND (CAST(:after_key AS text) IS NULL
-       OR (q.key, q.kind, q.id)
-          < (CAST(:after_key AS text), CAST(:after_kind AS text), CAST(:after_id AS bigint)))
-  AND (CAST(:ids AS bigint[]) IS NULL OR q.id = ANY(CAST(:ids AS bigint[])))
-  {{dead_filter}}
-ORDER BY q.key DESC, q.kind DESC, q.id DESC
-LIMIT :page_size;
+-- queues again). One row: their ids in that order and, for each, the first (newest) id of
+-- its ticket within the page (a ticket cut by the page's start has its newest on an
+-- earlier page: the caller carries it over), how many, the first row's (kind, key) and
+-- the last row's (key, kind, id), the cursor. Rows are numbered in the index's order and
+-- tickets told apart by comparing neighbours, so nothing sorts their text again.
+WITH page AS (
+    SELECT q.id, q.kind, q.key,
+           row_number() OVER (ORDER BY q.key DESC, q.kind DESC, q.id DESC) AS n
+    FROM enrichq.queue AS q
+    WHERE q.state = 'dead_letter'
+      AND (CAST(:after_key AS text) IS NULL
+           OR (q.key, q.kind, q.id)
+              < (CAST(:after_key AS text), CAST(:after_kind AS text), CAST(:after_id AS bigint)))
+      AND (CAST(:ids AS bigint[]) IS NULL OR q.id = ANY(CAST(:ids AS bigint[])))
+      {{dead_filter}}
+    ORDER BY q.key DESC, q.kind DESC, q.id DESC
+    LIMIT :page_size
+),
+-- a row whose ticket differs from the row before starts a ticket
+marked AS (
+    SELECT p.id, p.n,
+           (p.kind, p.key) IS DISTINCT FROM (lag(p.kind) OVER w, lag(p.key) OVER w) AS starts
+    FROM page AS p
+    WINDOW w AS (ORDER BY p.n)
+),
+grouped AS (
+    SELECT m.id, m.n, count(*) FILTER (WHERE m.starts) OVER (ORDER BY m.n) AS ticket
+    FROM marked AS m
+),
+ranked AS (
+    SELECT g.id, g.n, first_value(g.id) OVER (PARTITION BY g.ticket ORDER BY g.n) AS winner
+    FROM grouped AS g
+),
+first AS (
+    SELECT p.kind, p.key FROM page AS p WHERE p.n = 1
+),
+last AS (
+    SELECT p.kind, p.key, p.id FROM page AS p ORDER BY p.n DESC LIMIT 1
+)
+SELECT coalesce((SELECT array_agg(r.id ORDER BY r.n) FROM ranked AS r), '{}') AS ids,
+       coalesce((SELECT array_agg(r.winner ORDER BY r.n) FROM ranked AS r), '{}') AS winners,
+       (SELECT count(*) FROM page) AS n,
+       (SELECT kind FROM first) AS first_kind, (SELECT key FROM first) AS first_key,
+       (SELECT kind FROM last) AS last_kind, (SELECT key FROM last) AS last_key,
+       (SELECT id FROM last) AS last_id;
 
 
 -- name: controls_redrive_preview
