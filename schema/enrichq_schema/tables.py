@@ -96,6 +96,9 @@ queue = sa.Table(
     _created_at(),
     _at("updated_at", server_default=_now()),
     _at("finished_at", nullable=True),
+    # When an event last merged into this row while it was queued: an operator's cancel
+    # leaves a row that new work merged into after the cancel began (the work survives).
+    _at("merged_at", nullable=True),
     sa.CheckConstraint(_one_of("state", State), name="state_known"),
     sa.CheckConstraint(_one_of("reason", Reason), name="reason_known"),
     sa.CheckConstraint(f"char_length(key) BETWEEN 1 AND {KEY_MAX_LENGTH}", name="key_length"),
@@ -152,6 +155,9 @@ queue = sa.Table(
     ),
     # Dead-letter listing and redrive by reason.
     sa.Index("queue_dead_reason_idx", "dead_reason", "id", postgresql_where=sa.text(DEAD)),
+    # The dlq verbs by ticket (`--key`), and their selection walked in pages, a ticket's
+    # dead letters together (the newest of each is the one a redrive queues again).
+    sa.Index("queue_dead_key_idx", "key", "kind", "id", postgresql_where=sa.text(DEAD)),
     # Refresh: has the queue given up on this ticket since its last enrichment?
     sa.Index("queue_given_up_key_idx", "key", "id", postgresql_where=sa.text(GIVEN_UP)),
     # The queue table churns: vacuum it early and often so dead tuples never pile up.

@@ -17,6 +17,7 @@ import click
 from enrichq_schema.errors import SettingsError
 from enrichq_schema.process import Exit, fail, say
 from enrichq_schema.states import AuditCommand, DeadReason, Kind, Reason
+from enrichq_service.cli_support import ROW_ID
 
 if TYPE_CHECKING:
     from enrichq_schema.settings import Settings
@@ -305,9 +306,7 @@ def stacked(options: Sequence[Decorator]) -> Decorator:
 def filter_options(reasons: list[str], reason_help: str, older_help: str) -> Decorator:
     """The options every filtered action takes (enrichq_sweeper.filters reads them)."""
     options = [
-        click.option(
-            "--id", "ids", type=click.IntRange(min=1), multiple=True, help="Row id (repeat)."
-        ),
+        click.option("--id", "ids", type=ROW_ID, multiple=True, help="Row id (repeat)."),
         click.option("--key", "keys", multiple=True, help="Ticket id (repeat)."),
         click.option("--tenant", default=None, help="Brand or account."),
         click.option("--kind", type=click.Choice([k.value for k in Kind]), default=None),
@@ -320,6 +319,10 @@ def filter_options(reasons: list[str], reason_help: str, older_help: str) -> Dec
     ]
     return stacked(options)
 
+
+YES_OPTION = click.option(
+    "--yes", is_flag=True, help="With --all on a terminal: do not ask for confirmation."
+)
 
 # The filter of cancel (queued and leased rows), and of dlq redrive and discard.
 open_row_filter = filter_options(
@@ -339,25 +342,52 @@ def _control(
     command: str,
     options: dict[str, Any],
 ) -> None:
-    """Parse the filter (bad input: one line, exit 2, before any connection), then act."""
+    """Parse the filter (bad input: one line, exit 2, before any connection), then act:
+    `--all` asks for confirmation on a terminal (cancel, discard; --yes skips it), and a run
+    of more than one batch shows its progress on stderr."""
     from enrichq_schema.audit import AuditInputError, check_actor, default_actor
     from enrichq_schema.states import AuditCommand
-    from enrichq_sweeper.controls import SCOPE_OF, run_cli
+    from enrichq_service.cli_support import Progress, confirm_every_row, unpadded
+    from enrichq_sweeper.common import DEFAULT_BATCH_SIZE
+    from enrichq_sweeper.controls import SCOPE_OF, ActionResult, run_cli
     from enrichq_sweeper.errors import FilterError
     from enrichq_sweeper.filters import Filter
 
     action = AuditCommand(command)
-    # what is not how to act (--actor, --dry-run, --json) is the filter's criteria
+    # what is not how to act (--actor, --dry-run, --json, --yes) is the filter's criteria
     criteria = dict(options)
     actor, dry_run, as_json = (criteria.pop(name) for name in ("actor", "dry_run", "as_json"))
+    yes = bool(criteria.pop("yes", False))
+    unpadded(command, "--tenant", criteria["tenant"])
     try:
         flt = Filter.build(SCOPE_OF[action], **criteria)
         actor = check_actor(actor or default_actor())
     except (FilterError, AuditInputError) as exc:
         fail(f"{command}: {exc}")
+    ask = confirm_every_row(command, yes=yes) if flt.all_rows and "yes" in options else None
+    progress = Progress(command, batch_size=DEFAULT_BATCH_SIZE)
+
+    def before(would: ActionResult) -> bool:
+        if ask is not None and not ask(would):
+            return False
+        progress.start(would)
+        return True
+
     settings = ctx.settings
     with ctx.database() as url:
-        run_cli(settings, url, action, flt, actor=actor, dry_run=dry_run, as_json=as_json)
+        run_cli(
+            settings,
+            url,
+            action,
+            flt,
+            actor=actor,
+            dry_run=dry_run,
+            as_json=as_json,
+            batch_size=DEFAULT_BATCH_SIZE,
+            confirm=before,
+            on_batch=progress.batch,
+            on_end=progress.stop,
+        )
 
 
 @dlq.command("redrive", epilog=FILTER_HELP)
@@ -374,6 +404,7 @@ def dlq_redrive(ctx: Context, /, **options: Any) -> None:
 
 @dlq.command("discard", epilog=FILTER_HELP)
 @dead_letter_filter
+@YES_OPTION
 @pass_context
 def dlq_discard(ctx: Context, /, **options: Any) -> None:
     """Delete dead letters matching FILTER (for good: there is no undo)."""
@@ -382,6 +413,7 @@ def dlq_discard(ctx: Context, /, **options: Any) -> None:
 
 @cli.command(epilog=FILTER_HELP)
 @open_row_filter
+@YES_OPTION
 @pass_context
 def cancel(ctx: Context, /, **options: Any) -> None:
     """Cancel queued and leased rows matching FILTER: they become dead letters (cancelled).
@@ -400,8 +432,10 @@ ENRICHQ_POLL_SECONDS), with no restart. `enrichq status` lists the pauses in pla
 
 
 def _pause_scope(command: str, kind: str | None, tenant: str | None) -> Any:
+    from enrichq_service.cli_support import unpadded
     from enrichq_sweeper.pauses import PauseError, Scope
 
+    unpadded(command, "--tenant", tenant)
     try:
         return Scope.build(kind=kind, tenant=tenant)
     except PauseError as exc:

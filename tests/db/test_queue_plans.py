@@ -208,7 +208,9 @@ STATEMENTS: dict[str, tuple[Queries, str, Callable[[History], dict[str, Any]], s
             "channel": NOTIFY_CHANNEL,
             "now": None,
         },
-        {"queue_queued_key_uq"},
+        # a merge finds its queued row through the arbiter of ON CONFLICT (the queued-key
+        # index, not a scan node of the plan): the statement scans no queue rows at all
+        set(),
         False,
     ),
     "sweeper_expired_scan": (

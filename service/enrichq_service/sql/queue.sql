@@ -15,8 +15,9 @@
 
 -- name: queue_enqueue
 -- One queued row per input unless (kind, key) is queued already (merge, via the partial
--- unique index); returns every input with the id of the row it inserted or merged into,
--- and sends NOTIFY when something became visible now.
+-- unique index: the queued row is kept and its merged_at set); returns every input with the
+-- id of the row it inserted or merged into, and sends NOTIFY when something became visible
+-- now.
 WITH input AS (
     SELECT *
     FROM unnest(
@@ -25,9 +26,19 @@ WITH input AS (
         CAST(:max_attempts AS int[])
     ) WITH ORDINALITY AS i(kind, key, tenant, reason, payload, delay_s, max_attempts, ord)
 ),
+-- the first input of each (kind, key): one statement may not insert or merge into a row
+-- twice; a later input of the same ticket merges into what the first one did
+firsts AS (
+    SELECT DISTINCT ON (i.kind, i.key) i.*
+    FROM input AS i
+    ORDER BY i.kind, i.key, i.ord
+),
 -- in the global lock order, so two batches of the same keys wait for each other's inserts
 -- in one order and never deadlock; the row records its tenant's plan priority at enqueue
--- (ownerless or unknown tenants: the middle plan), the claim reads the plan when it claims
+-- (ownerless or unknown tenants: the middle plan), the claim reads the plan when it claims.
+-- A merge locks the queued row and marks it (merged_at): a cancel that selected the row
+-- before then leaves it queued, and one that locked it first makes this insert a new row
+-- once it commits (the conflict is checked again), so no event is lost to a cancel.
 inserted AS (
     INSERT INTO enrichq.queue AS q
         (kind, key, tenant, priority, reason, payload, visible_at, max_attempts)
@@ -35,26 +46,24 @@ inserted AS (
            i.reason, i.payload,
            coalesce(CAST(:now AS timestamptz), now()) + make_interval(secs => i.delay_s),
            i.max_attempts
-    FROM input AS i
+    FROM firsts AS i
     LEFT JOIN enrichq.tenants AS t ON t.tenant = i.tenant
     ORDER BY i.key COLLATE "C", i.kind COLLATE "C", i.ord
-    ON CONFLICT DO NOTHING
-    RETURNING q.id, q.kind, q.key, q.visible_at
+    ON CONFLICT (kind, key) WHERE state = 'queued'
+    DO UPDATE SET merged_at = coalesce(CAST(:now AS timestamptz), now())
+    RETURNING q.id, q.kind, q.key, q.visible_at, (q.xmax = 0) AS fresh
 ),
 -- wake LISTENing workers once per kind that has work visible now
 notified AS (
     SELECT count(pg_notify(:channel, k.kind)) AS n
     FROM (
         SELECT DISTINCT kind FROM inserted
-        WHERE visible_at <= coalesce(CAST(:now AS timestamptz), now())
+        WHERE fresh AND visible_at <= coalesce(CAST(:now AS timestamptz), now())
     ) AS k
 )
--- a merged input's row is found through the queued-key index, one probe per merge
-SELECT i.ord, i.kind, i.key, ins.id AS inserted_id,
-       CASE WHEN ins.id IS NULL THEN (
-           SELECT e.id FROM enrichq.queue AS e
-           WHERE e.state = 'queued' AND e.kind = i.kind AND e.key = i.key
-       ) END AS merged_id
+SELECT i.ord, i.kind, i.key,
+       CASE WHEN ins.fresh THEN ins.id END AS inserted_id,
+       CASE WHEN NOT ins.fresh THEN ins.id END AS merged_id
 FROM input AS i
 CROSS JOIN notified
 LEFT JOIN inserted AS ins ON ins.kind = i.kind AND ins.key = i.key
