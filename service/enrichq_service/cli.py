@@ -512,7 +512,10 @@ def _parse_day(value: str | None, name: str) -> Any:
 
 
 @cli.group(invoke_without_command=True)
-@click.option("--since", help="Start of the window (YYYY-MM-DD or ISO time, UTC); default 7 days.")
+@click.option(
+    "--since",
+    help="Start of the window (YYYY-MM-DD or ISO time, UTC); default ENRICHQ_PARITY_WINDOW_DAYS.",
+)
 @click.option("--until", help="End of the window (exclusive); default now.")
 @click.option("--json", "json_path", type=REPORT_FILE, help="Write the JSON report.")
 @click.option(
@@ -613,6 +616,12 @@ def parity_show(ctx: Context, run_id: int, json_path: Path | None, html_path: Pa
     help="Move only this tenant (repeat): a staged cutover. Default: every tenant.",
 )
 @click.option(
+    "--exclude-tenant",
+    "exclude",
+    multiple=True,
+    help="Move every tenant but this one (repeat); it stays on the legacy rows.",
+)
+@click.option(
     "--status", "show_status", is_flag=True, help="Per tenant: what consumers read, since when."
 )
 @click.option("--json", "as_json", is_flag=True, help="With --status: print JSON.")
@@ -623,13 +632,18 @@ def cutover(
     *,
     rollback: bool,
     tenants: tuple[str, ...],
+    exclude: tuple[str, ...],
     show_status: bool,
     as_json: bool,
     actor: str | None,
 ) -> None:
-    """Point consumers at the shadow table, after a passing, fresh and approved parity run."""
-    if show_status and (rollback or tenants or actor is not None):
+    """Point consumers at the shadow table, after a passing, fresh and approved parity run
+    that every tenant moved passes on its own, once no ticket consumers can read is still
+    never enriched (`enrichq backfill`)."""
+    if show_status and (rollback or tenants or exclude or actor is not None):
         fail("cutover: --status only shows the state; it takes no --rollback, --tenant or --actor")
+    if exclude and (tenants or rollback):
+        fail("cutover: --exclude-tenant goes with a whole cutover, not --tenant or --rollback")
     if as_json and not show_status:
         fail("cutover: --json goes with --status")
     from enrichq_parity.cutover import run_cli
@@ -643,6 +657,7 @@ def cutover(
                 rollback=rollback,
                 actor=actor,
                 tenants=tenants,
+                exclude=exclude,
                 show_status=show_status,
                 as_json=as_json,
             )

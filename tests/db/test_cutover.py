@@ -21,6 +21,7 @@ from enrichq_parity.cutover import (
     SHADOW_TABLE,
     VIEW,
     Action,
+    Bars,
     CutoverError,
     CutoverRefused,
     CutoverResult,
@@ -33,12 +34,13 @@ from enrichq_parity.cutover import (
     repoint,
     status,
 )
-from enrichq_parity.model import Approval, Tally, Thresholds
+from enrichq_parity.model import Approval, Coverage, Tally, Thresholds
 from enrichq_schema.db import create_engine
 from enrichq_schema.settings import Settings
 from enrichq_service.cli import main
 
 TENANTS = ("acme", "globex", "initech")
+NO_TICKETS = Coverage(())
 TICKETS_PER_TENANT = 3
 BARS = Thresholds(0.995, 0.005, 0.99)
 GOOD = Tally(exact=100, legacy_orders=300, matched_orders=300)
@@ -66,9 +68,12 @@ def add_run(
     age: timedelta = timedelta(minutes=5),
     approved_by: Sequence[str] = ("alice",),
     max_shadow_fault_rate: float | None = 0.005,
+    coverage: Coverage | None = NO_TICKETS,
+    window: timedelta = timedelta(days=7),
 ) -> int:
-    """A finished parity run `age` old, with these per-tenant figures (default: every tenant
-    of the world matching), approved by `approved_by`."""
+    """A finished parity run `age` old over a `window` ending when it ran, with these
+    per-tenant figures (default: every tenant of the world matching) and `coverage`,
+    approved by `approved_by`."""
     per_tenant = dict(tenants if tenants is not None else dict.fromkeys(TENANTS, GOOD))
     whole = sum(per_tenant.values(), Tally())
     report = {
@@ -79,13 +84,18 @@ def add_run(
         sa.text(
             "INSERT INTO enrichq.parity_runs (started_at, finished_at, window_since,"
             " window_until, tickets_compared, order_coverage, ticket_match_rate,"
-            " min_order_coverage, min_ticket_match_rate, max_shadow_fault_rate, passed, report)"
+            " min_order_coverage, min_ticket_match_rate, max_shadow_fault_rate, passed, report,"
+            " data_at, coverage)"
             " VALUES (now() - CAST(:age AS interval), now() - CAST(:age AS interval),"
-            " now() - interval '8 days', now() - interval '1 day', :compared, :cov, :rate,"
-            " 0.995, 0.99, :max_faults, :passed, CAST(:report AS jsonb)) RETURNING id"
+            " now() - CAST(:age AS interval) - CAST(:window AS interval),"
+            " now() - CAST(:age AS interval), :compared, :cov, :rate,"
+            " 0.995, 0.99, :max_faults, :passed, CAST(:report AS jsonb),"
+            " now() - CAST(:age AS interval), CAST(:coverage AS jsonb)) RETURNING id"
         ),
         {
             "age": f"{age.total_seconds()} seconds",
+            "window": f"{window.total_seconds()} seconds",
+            "coverage": None if coverage is None else json.dumps(coverage.as_dict()),
             "compared": whole.compared,
             "cov": whole.order_coverage,
             "rate": whole.ticket_match_rate,
@@ -167,6 +177,7 @@ ALL_SHADOW = dict.fromkeys(TENANTS, "shadow")
 # -- the gate, a pure decision ---------------------------------------------------------------
 
 NOW = datetime(2024, 3, 10, tzinfo=UTC)
+IN_FORCE = Bars(BARS, 24, 7)
 
 
 def gate_run(
@@ -184,6 +195,10 @@ def gate_run(
         total=sum(per_tenant.values(), Tally()),
         tenants=per_tenant,
         approvals=(Approval(7, "alice", NOW - age / 2),) if approved else (),
+        window_since=NOW - age - timedelta(days=7),
+        window_until=NOW - age,
+        data_at=NOW - age,
+        coverage=Coverage(()),
     )
 
 
@@ -198,8 +213,8 @@ UNACCEPTED = Tally(exact=95, legacy_missing=3, extra_only=2, legacy_orders=300, 
         (
             gate_run(tenants={"acme": FAULTY}),
             None,
-            ["parity run #7 did not pass (order coverage 96.67% is below 99.50%; shadow fault "
-             "rate 10.00% is above 0.50% (partial 10))"],
+            ["parity run #7 did not pass for tenant acme (order coverage 96.67% is below "
+             "99.50%; shadow fault rate 10.00% is above 0.50% (partial 10))"],
         ),
         (
             gate_run(tenants={"acme": GOOD, "globex": FAULTY}),
@@ -221,8 +236,11 @@ UNACCEPTED = Tally(exact=95, legacy_missing=3, extra_only=2, legacy_orders=300, 
         (
             gate_run(age=timedelta(hours=24)),
             ["acme"],
-            ["parity run #7 finished 24.0 h ago, older than ENRICHQ_PARITY_MAX_AGE_HOURS (24): "
-             "run `enrichq parity` again"],
+            ["parity run #7 judged tickets created up to 2024-03-09 00:00 UTC, 24.0 h ago, "
+             "older than ENRICHQ_PARITY_MAX_AGE_HOURS (24): run `enrichq parity` again",
+             "parity run #7 read data as of 2024-03-09 00:00 UTC, 24.0 h old, older than "
+             "ENRICHQ_PARITY_MAX_AGE_HOURS (24): run `enrichq parity` on a replica that is "
+             "replaying (or on the primary)"],
         ),
         (
             gate_run(approved=False),
@@ -244,16 +262,18 @@ UNACCEPTED = Tally(exact=95, legacy_missing=3, extra_only=2, legacy_orders=300, 
 def test_the_gate_says_what_is_missing(
     run: GateRun | None, tenants: list[str] | None, refusals: list[str]
 ) -> None:
-    assert gate(run, NOW, 24, tenants) == refusals
+    assert gate(run, NOW, IN_FORCE, tenants) == refusals
 
 
 def test_the_gate_names_all_three_when_all_three_are_missing() -> None:
     run = gate_run(tenants={"acme": FAULTY}, age=timedelta(hours=30), approved=False)
-    refusals = gate(run, NOW, 24, ["acme"])
-    assert [r.split(" ")[3] for r in refusals] == ["did", "finished", "is"]
-    assert gate(gate_run(age=timedelta(hours=23, minutes=59)), NOW, 24, ["acme", "globex"]) == []
+    refusals = gate(run, NOW, IN_FORCE, ["acme"])
+    assert [r.split(" ")[3] for r in refusals] == ["did", "judged", "read", "is"]
+    fresh = gate_run(age=timedelta(hours=23, minutes=59))
+    assert gate(fresh, NOW, IN_FORCE, ["acme", "globex"]) == []
     # another tenant's faults do not hold this one back
-    assert gate(gate_run(tenants={"acme": GOOD, "globex": FAULTY}), NOW, 24, ["acme"]) == []
+    faulty = gate_run(tenants={"acme": GOOD, "globex": FAULTY})
+    assert gate(faulty, NOW, IN_FORCE, ["acme"]) == []
 
 
 def test_the_steps_are_a_pure_plan() -> None:
@@ -296,6 +316,10 @@ REFUSED_RUNS: dict[str, tuple[dict[str, object] | None, str]] = {
         "did not pass for tenant acme (order coverage 96.67% is below 99.50%",
     ),
     "stale": ({"age": timedelta(hours=25)}, "older than ENRICHQ_PARITY_MAX_AGE_HOURS (24)"),
+    "window too short": (
+        {"window": timedelta(days=1)},
+        "covers 1.0 days, shorter than ENRICHQ_PARITY_WINDOW_DAYS (7)",
+    ),
     "not approved": ({"approved_by": ()}, "is not approved: review its report, then"),
 }
 
@@ -601,6 +625,12 @@ def test_reading_one_ticket_through_the_view_is_an_index_lookup(
                 "INSERT INTO enrichq.ticket_orders (ticket_id, order_id, looked_up_at, queue_id)"
                 " SELECT 'T-' || g, 'O-' || g || '-' || k, now(), g"
                 " FROM generate_series(1, 20000) AS g, generate_series(1, 3) AS k"
+            )
+        )
+        conn.execute(
+            sa.text(
+                "INSERT INTO enrichq.ticket_enrichments (ticket_id, enriched_at, order_count,"
+                " queue_id) SELECT 'T-' || g, now(), 3, g FROM generate_series(1, 20000) AS g"
             )
         )
         add_run(conn, tenants={f"tenant-{i}": GOOD for i in range(20)})
