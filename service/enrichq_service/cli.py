@@ -665,6 +665,52 @@ def cutover(
 
 
 @cli.command()
+@click.option("--tenant", default=None, help="Only this tenant's tickets ('' = no tenant).")
+@click.option("--since", default=None, help="Only tickets created since (YYYY-MM-DD or ISO).")
+@click.option("--dry-run", is_flag=True, help="Count what would be enqueued; change nothing.")
+@click.option(
+    "--page-size", type=click.IntRange(min=1, max=100_000), default=1000, show_default=True
+)
+@ACTOR_OPTION
+@pass_context
+def backfill(
+    ctx: Context,
+    *,
+    tenant: str | None,
+    since: str | None,
+    dry_run: bool,
+    page_size: int,
+    actor: str | None,
+) -> None:
+    """Enqueue every ticket consumers can read that enrichq never enriched (before cutover).
+
+    Walks the help desk's mirror (and, with no --tenant, the tickets with legacy rows the
+    mirror lacks) a page at a time; each ticket without an enrichment or an open queue row
+    gets a `backfill` row, served after all other work, within the bytes budget and the
+    warehouse cap. Audited; `enrichq status` shows the backfill rows by state.
+    """
+    settings = ctx.settings
+    since_at = _parse_day(since, "--since")
+    if tenant is not None and (len(tenant) > 200 or not tenant.isprintable()):
+        fail(f"backfill: --tenant {tenant!r}: expected at most 200 printable characters")
+    who = _actor("backfill", actor)
+    from enrichq_service.backfill_command import run_backfill
+
+    with ctx.database() as url:
+        sys.exit(
+            run_backfill(
+                settings,
+                url,
+                tenant=tenant,
+                since=since_at,
+                dry_run=dry_run,
+                page_size=page_size,
+                actor=who,
+            )
+        )
+
+
+@cli.command()
 @click.option("--keep-running", is_flag=True, help="Leave serve and /metrics up afterwards.")
 @click.option("--tickets", type=click.IntRange(min=10, max=100_000), default=600)
 @pass_context
