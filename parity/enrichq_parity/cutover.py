@@ -179,8 +179,14 @@ def gate(
     bars: Bars,
     tenants: Sequence[str] | None,
     live: Coverage | None = None,
+    *,
+    excluding: bool = False,
 ) -> list[str]:
     """What keeps a cutover of `tenants` (None: every tenant) from happening; [] allows it.
+
+    `excluding`: `tenants` are every tenant known but some excluded ones, judged like a
+    whole cutover: each tenant of the run on its own figures, a tenant without a ticket in
+    the window on its coverage alone.
 
     What cutover needs of the latest finished run, each said when missing: it passes by the
     bars in force now (each tenant on its own figures, every legacy fault accepted), it is
@@ -198,7 +204,13 @@ def gate(
         )
     else:
         # a whole cutover: every tenant of the run on its own figures, as if moved alone
-        judged: list[str | None] = list(tenants if tenants is not None else sorted(run.tenants))
+        judged: list[str | None] = list(
+            sorted(run.tenants)
+            if tenants is None
+            else [t for t in tenants if t in run.tenants]
+            if excluding
+            else tenants
+        )
         for tenant in judged or [None]:
             missing.extend(_passing(run, run.thresholds, bars.thresholds, tenant))
     missing.extend(_fresh(run, now, bars))
@@ -416,7 +428,7 @@ def repoint(
     if step is None:
         return CutoverResult(action, current, (), None, _unchanged(action, tenants))
     if action is Action.CUTOVER:
-        refusals = gate(run, at, Bars.of(settings), step.moved, live)
+        refusals = gate(run, at, Bars.of(settings), step.moved, live, excluding=bool(exclude))
         if refusals:
             raise CutoverRefused("; ".join(refusals))
     run_id = None if run is None else run.id
