@@ -91,8 +91,12 @@ def test_history_before_the_window_stops_a_tenant_cutover_until_backfilled(
         create_sources(conn)
         recent_matching(conn, "acme")
         history(conn, "acme")
-    code, report = parity(tmp_path)
+    code, report = parity(tmp_path, "--html", str(tmp_path / "p.html"))
     assert code == 0, report["verdict"]
+    summary = capsys.readouterr().out
+    (line,) = [s for s in summary.splitlines() if s.startswith("not yet enriched")]
+    assert line.split()[3] == "10"
+    assert "Not yet enriched (all time)" in (tmp_path / "p.html").read_text()
     assert main(["parity", "approve", str(report["run_id"]), "--by", "alice"]) == 0
     capsys.readouterr()
     assert seen(db_engine, "acme-old-") == 10
