@@ -188,3 +188,57 @@ def test_history_backfill_parity_approve_cutover_loses_no_ticket(
     assert main(["cutover", "--tenant", "globex"]) == 0, capsys.readouterr().err
     after = dict(q(db_engine, f"SELECT ticket_id, count(*) FROM {VIEW} GROUP BY 1"))
     assert after == before
+
+
+@pytest.mark.parametrize("phase", ["backfill_mirror_page", "backfill_legacy_page"])
+def test_a_backfill_page_reads_its_tickets_by_index(
+    db_engine: sa.Engine, db_url: str, phase: str
+) -> None:
+    """With 20,000 tickets and their legacy rows analyzed, a page (after a cursor in the
+    middle) walks its table by an index (the mirror by its primary key, the legacy table by
+    its ticket_id index), never a scan of the whole table and a sort: a backfill's cost
+    follows its pages, not the history. (Probing the other table is the planner's choice by
+    size: at 20,000 a hash of the mirror, at millions index probes.)"""
+    from tests.support.plans import explain, walk
+
+    from enrichq_sweeper.backfill import _statements
+
+    with db_engine.begin() as conn:
+        create_sources(conn)
+        conn.execute(
+            sa.text(
+                "INSERT INTO helpdesk.tickets SELECT 'T-' || lpad(g::text, 6, '0'),"
+                " 'x@example.com', 'tenant-' || (g % 20), now() - interval '40 days', now()"
+                " FROM generate_series(1, 20000) AS g"
+            )
+        )
+        conn.execute(
+            sa.text(
+                "INSERT INTO legacy.ticket_orders SELECT 'T-' || lpad(g::text, 6, '0'),"
+                " 'O-' || g, now() - interval '40 days' FROM generate_series(1, 20000) AS g"
+            )
+        )
+    with db_engine.connect() as conn:
+        conn.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql("ANALYZE")
+    settings = make_settings(db_url)
+    with db_engine.connect() as conn:
+        statement = _statements(conn, settings)[phase]
+        plan = explain(
+            conn,
+            str(statement),
+            {
+                "after": "T-010000", "tenant": None, "since": None, "page_size": 1000,
+                "priority": -1, "max_attempts": 5, "key_max_length": 200, "dry_run": True,
+                "now": None,
+            },
+        )  # fmt: skip
+        conn.rollback()
+    scans = {
+        (str(n["Relation Name"]), str(n["Node Type"]))
+        for n in walk(plan)
+        if "Relation Name" in n
+    }
+    walked = "tickets" if phase == "backfill_mirror_page" else "ticket_orders"
+    kinds = {kind for name, kind in scans if name == walked}
+    assert kinds, scans
+    assert kinds <= {"Index Scan", "Index Only Scan"}, scans
