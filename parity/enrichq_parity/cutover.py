@@ -414,7 +414,8 @@ def repoint(
     run = _gate_run(conn)
     live = None
     if action is Action.CUTOVER:
-        live = live_coverage(conn, settings, at)
+        whole = tenants is None and not exclude
+        live = live_coverage(conn, settings, at, legacy_only=whole)
         if exclude:
             # every tenant known but the excluded ones, staged: the others stay on legacy
             if tenants is not None:
@@ -566,9 +567,12 @@ def _sources(conn: sa.Connection) -> list[str]:
     return [f"{r.schema_name}.{r.table_name}" for r in rows]
 
 
-def live_coverage(conn: sa.Connection, settings: Settings, at: datetime) -> Coverage:
+def live_coverage(
+    conn: sa.Connection, settings: Settings, at: datetime, *, legacy_only: bool = True
+) -> Coverage:
     """Every ticket consumers can read, counted now on the database cutover moves (what the
-    gate checks against the run's figures)."""
+    gate checks against the run's figures); `legacy_only`: the legacy tickets the mirror
+    lacks too (only a whole cutover hides them)."""
     from enrichq_parity.parity import read_coverage
 
     relations = {}
@@ -585,7 +589,7 @@ def live_coverage(conn: sa.Connection, settings: Settings, at: datetime) -> Cove
     young_after = at - timedelta(
         seconds=settings.delay_created_seconds + settings.parity_grace_seconds
     )
-    return read_coverage(conn, relations, young_after)
+    return read_coverage(conn, relations, young_after, legacy_only=legacy_only)
 
 
 def _gate_run(conn: sa.Connection) -> GateRun | None:

@@ -217,17 +217,23 @@ class ReadSide:
 
 
 def read_coverage(
-    conn: sa.Connection, relations: Mapping[str, str], young_after: datetime
+    conn: sa.Connection,
+    relations: Mapping[str, str],
+    young_after: datetime,
+    *,
+    legacy_only: bool = True,
 ) -> Coverage:
-    """Every ticket consumers can read, all time: per tenant, what enrichq never enriched."""
+    """Every ticket consumers can read, all time: per tenant, what enrichq never enriched;
+    and (`legacy_only`) the legacy tickets the mirror lacks, else counted as none."""
     statement = render(
         _queries()["parity_coverage"], tickets=relations["tickets"], legacy=relations["legacy"]
     )
     tenants: list[TenantCoverage] = []
-    legacy_only = legacy_only_not_enriched = 0
-    for row in conn.execute(statement, {"young_after": young_after}):
+    lacking = lacking_never = 0
+    params = {"young_after": young_after, "legacy_only": legacy_only}
+    for row in conn.execute(statement, params):
         if row.tenant is None:
-            legacy_only, legacy_only_not_enriched = int(row.tickets), int(row.not_enriched)
+            lacking, lacking_never = int(row.tickets), int(row.not_enriched)
             continue
         tenants.append(
             TenantCoverage(
@@ -238,7 +244,7 @@ def read_coverage(
                 int(row.shadow_orders),
             )
         )
-    return Coverage(tuple(tenants), legacy_only, legacy_only_not_enriched)
+    return Coverage(tuple(tenants), lacking, lacking_never)
 
 
 def _prepare(

@@ -360,7 +360,8 @@ ORDER BY row_kind, ticket_id
 -- ('' = none) its tickets, those created before :young_after that enrichq never enriched,
 -- the tickets enrichq enriched and its order rows; then one row (tenant NULL) for the
 -- tickets with rows in {legacy} that {tickets} lacks, and how many of them enrichq never
--- enriched. One pass over each table, hashed: it runs once per parity run and cutover.
+-- enriched (only when :legacy_only: the costliest pass, which only a whole cutover needs;
+-- else that row says 0). One pass over each table, hashed: once per parity run and cutover.
 WITH mirror AS (
     SELECT coalesce(CAST(t.tenant AS text), '') AS tenant,
            count(*) AS tickets,
@@ -383,7 +384,11 @@ legacy_only AS (
            EXISTS (
                SELECT 1 FROM enrichq.ticket_enrichments AS e WHERE e.ticket_id = l.ticket_id
            ) AS enriched
-    FROM (SELECT DISTINCT CAST(x.ticket_id AS text) AS ticket_id FROM {legacy} AS x) AS l
+    FROM (
+        SELECT DISTINCT CAST(x.ticket_id AS text) AS ticket_id
+        FROM {legacy} AS x
+        WHERE CAST(:legacy_only AS boolean)
+    ) AS l
     WHERE NOT EXISTS (SELECT 1 FROM {tickets} AS t WHERE CAST(t.id AS text) = l.ticket_id)
 )
 SELECT m.tenant, m.tickets, m.not_enriched, m.enriched,
