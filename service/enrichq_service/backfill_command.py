@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from enrichq_sweeper.backfill import BackfillResult
 
 PLAIN_EVERY_PAGES = 10
-"""Without a terminal, one progress line per this many pages (and the last)."""
+"""Without a terminal, one progress line per this many pages."""
 
 
 @contextmanager
@@ -44,7 +44,7 @@ def progress_display(total: int, out: TextIO) -> Iterator[Callable[[int], None]]
         done[0] += n
         done[1] += 1
         if done[1] % PLAIN_EVERY_PAGES == 0:
-            print(f"backfill: {done[0]:,}/{total:,} tickets walked", file=out, flush=True)
+            print(f"backfill: {done[0]:,}/{total:,} tickets read", file=out, flush=True)
 
     yield line
 
@@ -56,7 +56,7 @@ def render(result: BackfillResult) -> str:
     if result.scope.since is not None:
         scope += f", created since {result.scope.since:%Y-%m-%d %H:%M} UTC"
     lines = [
-        f"backfill ({scope}): {result.scanned:,} tickets walked, "
+        f"backfill ({scope}): {result.scanned:,} tickets consumers can read, "
         f"{result.never_enriched:,} never enriched; {verb} {result.enqueued:,} at the lowest "
         f"priority, {result.in_queue:,} already in the queue"
     ]

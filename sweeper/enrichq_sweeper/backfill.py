@@ -35,7 +35,7 @@ from enrichq_sweeper.errors import BackfillInputError
 PAGE_SIZE_DEFAULT = 1000
 
 Progress = Callable[[int], None]
-"""Called after each page with the tickets it walked."""
+"""Called after each page with the tickets it read (of the total `count` gives)."""
 
 
 @cache
@@ -157,7 +157,7 @@ def run(
             if phase == "backfill_legacy_page":
                 totals["legacy_only"] += int(row.scanned)
             if progress is not None:
-                progress(int(row.scanned))
+                progress(int(row.walked))
             if row.walked < page_size or row.last_key is None:
                 break
             after = row.last_key

@@ -71,7 +71,7 @@ def test_backfill_enqueues_what_consumers_read_and_enrichq_never_enriched(
 
     assert main(["backfill", "--tenant", "acme", "--page-size", "3", "--actor", "carol"]) == 0
     out = capsys.readouterr().out
-    assert "14 tickets walked, 11 never enriched; enqueued 10" in out
+    assert "14 tickets consumers can read, 11 never enriched; enqueued 10" in out
     assert backfill_rows(db_engine) == [(f"acme-old-{i}", "acme", "queued") for i in range(10)]
     # again: each is queued already, nothing new
     assert main(["backfill", "--tenant", "acme"]) == 0
@@ -80,11 +80,11 @@ def test_backfill_enqueues_what_consumers_read_and_enrichq_never_enriched(
     # since two days ago: globex's two (ghost-1 was looked up 40 days ago)
     assert main(["backfill", "--since", f"{RECENT - timedelta(days=1):%Y-%m-%d}"]) == 0
     out = capsys.readouterr().out
-    assert "6 tickets walked, 3 never enriched; enqueued 2" in out
+    assert "6 tickets consumers can read, 3 never enriched; enqueued 2" in out
     assert "missing from the tickets mirror" not in out
     assert main(["backfill"]) == 0
     out = capsys.readouterr().out
-    assert "17 tickets walked, 14 never enriched; enqueued 1" in out  # ghost-1
+    assert "17 tickets consumers can read, 14 never enriched; enqueued 1" in out  # ghost-1
     assert "1 tickets have legacy rows but are missing from the tickets mirror" in out
     assert [r for r in backfill_rows(db_engine) if not str(r[0]).startswith("acme")] == [
         ("ghost-1", None, "queued"), ("globex-0", "globex", "queued"),
@@ -110,7 +110,7 @@ def test_backfill_progress_is_plain_lines_without_a_terminal(
         build(conn)
     assert main(["backfill", "--tenant", "acme", "--page-size", "1"]) == 0
     err = capsys.readouterr().err.splitlines()
-    assert err == ["backfill: 10/14 tickets walked"]
+    assert err == ["backfill: 10/14 tickets read"]
 
 
 def test_backfill_of_a_missing_table_is_bad_input(
@@ -234,9 +234,7 @@ def test_a_backfill_page_reads_its_tickets_by_index(
         )  # fmt: skip
         conn.rollback()
     scans = {
-        (str(n["Relation Name"]), str(n["Node Type"]))
-        for n in walk(plan)
-        if "Relation Name" in n
+        (str(n["Relation Name"]), str(n["Node Type"])) for n in walk(plan) if "Relation Name" in n
     }
     walked = "tickets" if phase == "backfill_mirror_page" else "ticket_orders"
     kinds = {kind for name, kind in scans if name == walked}

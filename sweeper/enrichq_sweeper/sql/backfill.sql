@@ -4,21 +4,18 @@
 
 -- name: backfill_count
 -- How many tickets a backfill walks: the mirror's (of tenant :tenant, '' = none; NULL: every
--- tenant) created at or after :since (NULL: all), then, with no tenant asked for, the tickets
--- with legacy rows the mirror lacks (looked up at or after :since). For the progress bar.
+-- tenant) created at or after :since (NULL: all), then, with no tenant asked for, the
+-- legacy table's tickets (looked up at or after :since), each page of which it reads to find
+-- those the mirror lacks. For the progress bar.
 SELECT (
     SELECT count(*) FROM {tickets} AS t
     WHERE (CAST(:tenant AS text) IS NULL OR coalesce(CAST(t.tenant AS text), '') = :tenant)
       AND (CAST(:since AS timestamptz) IS NULL OR t.created_at >= CAST(:since AS timestamptz))
 ) + (
-    SELECT count(*) FROM (
-        SELECT DISTINCT CAST(l.ticket_id AS text) AS ticket_id
-        FROM {legacy} AS l
-        WHERE CAST(:tenant AS text) IS NULL
-          AND (CAST(:since AS timestamptz) IS NULL
-               OR l.looked_up_at >= CAST(:since AS timestamptz))
-    ) AS o
-    WHERE NOT EXISTS (SELECT 1 FROM {tickets} AS t WHERE CAST(t.id AS text) = o.ticket_id)
+    SELECT count(DISTINCT l.ticket_id)
+    FROM {legacy} AS l
+    WHERE CAST(:tenant AS text) IS NULL
+      AND (CAST(:since AS timestamptz) IS NULL OR l.looked_up_at >= CAST(:since AS timestamptz))
 ) AS tickets
 
 -- name: backfill_mirror_page
