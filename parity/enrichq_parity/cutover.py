@@ -306,8 +306,8 @@ def _covered(
             out.append(
                 f"{SHADOW_TABLE} holds {now_.shadow_orders:,} order rows of "
                 f"{plural(now_.enriched, 'enriched ticket')} of tenant {_name(tenant)}, fewer "
-                f"than parity run #{run.id} saw ({then.shadow_orders:,} of {then.enriched:,}): "
-                "run `enrichq parity` again"
+                f"than parity run #{run.id} saw ({then.shadow_orders:,} order rows of "
+                f"{then.enriched:,}): run `enrichq parity` again"
             )
     return out
 

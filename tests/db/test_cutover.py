@@ -7,6 +7,7 @@ import json
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from enrichq_parity.cutover import (
     repoint,
     status,
 )
-from enrichq_parity.model import Approval, Coverage, Tally, Thresholds
+from enrichq_parity.model import Approval, Coverage, Tally, TenantCoverage, Thresholds
 from enrichq_schema.db import create_engine
 from enrichq_schema.settings import Settings
 from enrichq_service.cli import main
@@ -263,6 +264,86 @@ def test_the_gate_says_what_is_missing(
     run: GateRun | None, tenants: list[str] | None, refusals: list[str]
 ) -> None:
     assert gate(run, NOW, IN_FORCE, tenants) == refusals
+
+
+SEEN = Coverage((TenantCoverage("acme", 10, 0, 10, 20), TenantCoverage("globex", 5, 0, 5, 5)))
+
+
+@pytest.mark.parametrize(
+    ("run", "tenants", "live", "refusals"),
+    [
+        (
+            replace(gate_run(), coverage=None),
+            ["acme"],
+            SEEN,
+            ["parity run #7 was recorded before runs counted every ticket consumers can read: "
+             "run `enrichq parity` again"],
+        ),
+        (
+            replace(gate_run(), window_since=NOW - timedelta(days=1, hours=1)),
+            ["acme"],
+            SEEN,
+            ["parity run #7 covers 1.0 days, shorter than ENRICHQ_PARITY_WINDOW_DAYS (7): run "
+             "`enrichq parity` over the default window"],
+        ),
+        (
+            replace(gate_run(), data_at=NOW - timedelta(hours=30), replica_lag_seconds=108000),
+            ["acme"],
+            SEEN,
+            ["parity run #7 read data as of 2024-03-08 18:00 UTC, 30.0 h old; it read a standby "
+             "108,000 s behind, older than ENRICHQ_PARITY_MAX_AGE_HOURS (24): run `enrichq "
+             "parity` on a replica that is replaying (or on the primary)"],
+        ),
+        (
+            replace(gate_run(), coverage=SEEN),
+            ["acme"],
+            Coverage((TenantCoverage("acme", 12, 2, 10, 20),)),
+            ["2 tickets of tenant acme that consumers can read were never enriched by enrichq "
+             "(all time, not only the parity window): run `enrichq backfill --tenant acme` and "
+             "let the workers drain it"],
+        ),
+        (
+            replace(gate_run(), coverage=SEEN),
+            None,
+            Coverage(
+                (TenantCoverage("acme", 12, 2, 10, 20), TenantCoverage("globex", 6, 1, 5, 5)),
+                legacy_only=4,
+                legacy_only_not_enriched=3,
+            ),
+            ["3 tickets that consumers can read were never enriched by enrichq (acme 2, globex "
+             "1; all time, not only the parity window): run `enrichq backfill` and let the "
+             "workers drain it",
+             "3 tickets with legacy rows are missing from the tickets mirror and were never "
+             "enriched: a whole cutover would hide them (add them to the mirror and run "
+             "`enrichq backfill`, or cut tenants over with --tenant or --exclude-tenant, which "
+             "keeps their legacy rows)"],
+        ),
+        (
+            replace(gate_run(), coverage=SEEN),
+            ["acme"],
+            Coverage((TenantCoverage("acme", 10, 0, 10, 0),)),
+            ["enrichq.ticket_orders holds 0 order rows of 10 enriched tickets of tenant acme, "
+             "fewer than parity run #7 saw (20 order rows of 10): run `enrichq parity` again"],
+        ),
+        (
+            gate_run(thresholds=Thresholds(0.0, 1.0, 0.0), tenants={"acme": FAULTY}),
+            ["acme"],
+            SEEN,
+            ["parity run #7 did not pass for tenant acme (order coverage 96.67% is below "
+             "99.50%; shadow fault rate 10.00% is above 0.50% (partial 10)) by the bars in "
+             "force now; it ran with order coverage ≥ 0.00% and shadow fault rate ≤ 100.00%"],
+        ),
+    ],
+    ids=[
+        "before coverage", "window too short", "data too old", "never enriched",
+        "never enriched, whole, and legacy tickets the mirror lacks", "shadow table emptied",
+        "bars in force now",
+    ],
+)  # fmt: skip
+def test_the_gate_checks_what_the_run_read_against_now(
+    run: GateRun, tenants: list[str] | None, live: Coverage, refusals: list[str]
+) -> None:
+    assert gate(run, NOW, IN_FORCE, tenants, live) == refusals
 
 
 def test_the_gate_names_all_three_when_all_three_are_missing() -> None:

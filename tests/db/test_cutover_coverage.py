@@ -278,6 +278,6 @@ def test_a_shadow_table_emptied_after_approval_stops_the_cutover(
     err = refusal(capsys)
     assert (
         f"enrichq.ticket_orders holds 0 order rows of 0 enriched tickets of tenant acme, "
-        f"fewer than parity run #{run_id} saw (5 of 5)"
+        f"fewer than parity run #{run_id} saw (5 order rows of 5)"
     ) in err
     assert seen(db_engine, "acme-") == 5
