@@ -348,6 +348,13 @@ parity_runs = sa.Table(
     # and the SHA-256 of its bytes, so a reviewer can tell which file was signed.
     sa.Column("accept_rules", sa.Integer, nullable=False, server_default="0"),
     sa.Column("accept_sha256", sa.Text),
+    # What the run read (migration 0013): the time its data is as of (a standby's last
+    # replayed commit), how far that standby's replay was behind, and, per tenant, what the
+    # shadow table held and how many tickets consumers can read that enrichq never enriched
+    # (the gate checks them again at cutover time).
+    _at("data_at", nullable=True),
+    sa.Column("replica_lag_seconds", sa.Float),
+    sa.Column("coverage", pg.JSONB),
     sa.CheckConstraint(
         "accepted_legacy_faults BETWEEN 0 AND legacy_faults", name="accepted_within_faults"
     ),

@@ -546,7 +546,10 @@ def _parse_day(value: str | None, name: str) -> Any:
 
 
 @cli.group(invoke_without_command=True)
-@click.option("--since", help="Start of the window (YYYY-MM-DD or ISO time, UTC); default 7 days.")
+@click.option(
+    "--since",
+    help="Start of the window (YYYY-MM-DD or ISO time, UTC); default ENRICHQ_PARITY_WINDOW_DAYS.",
+)
 @click.option("--until", help="End of the window (exclusive); default now.")
 @click.option("--json", "json_path", type=REPORT_FILE, help="Write the JSON report.")
 @click.option(
@@ -647,6 +650,12 @@ def parity_show(ctx: Context, run_id: int, json_path: Path | None, html_path: Pa
     help="Move only this tenant (repeat): a staged cutover. Default: every tenant.",
 )
 @click.option(
+    "--exclude-tenant",
+    "exclude",
+    multiple=True,
+    help="Move every tenant but this one (repeat); it stays on the legacy rows.",
+)
+@click.option(
     "--status", "show_status", is_flag=True, help="Per tenant: what consumers read, since when."
 )
 @click.option("--json", "as_json", is_flag=True, help="With --status: print JSON.")
@@ -666,14 +675,19 @@ def cutover(
     *,
     rollback: bool,
     tenants: tuple[str, ...],
+    exclude: tuple[str, ...],
     show_status: bool,
     as_json: bool,
     actor: str | None,
     wait_seconds: float,
 ) -> None:
-    """Point consumers at the shadow table, after a passing, fresh and approved parity run."""
-    if show_status and (rollback or tenants or actor is not None):
+    """Point consumers at the shadow table, after a passing, fresh and approved parity run
+    that every tenant moved passes on its own, once no ticket consumers can read is still
+    never enriched (`enrichq backfill`)."""
+    if show_status and (rollback or tenants or exclude or actor is not None):
         fail("cutover: --status only shows the state; it takes no --rollback, --tenant or --actor")
+    if exclude and (tenants or rollback):
+        fail("cutover: --exclude-tenant goes with a whole cutover, not --tenant or --rollback")
     if as_json and not show_status:
         fail("cutover: --json goes with --status")
     from enrichq_parity.cutover import run_cli
@@ -687,9 +701,56 @@ def cutover(
                 rollback=rollback,
                 actor=actor,
                 tenants=tenants,
+                exclude=exclude,
                 show_status=show_status,
                 as_json=as_json,
                 wait_seconds=wait_seconds,
+            )
+        )
+
+
+@cli.command()
+@click.option("--tenant", default=None, help="Only this tenant's tickets ('' = no tenant).")
+@click.option("--since", default=None, help="Only tickets created since (YYYY-MM-DD or ISO).")
+@click.option("--dry-run", is_flag=True, help="Count what would be enqueued; change nothing.")
+@click.option(
+    "--page-size", type=click.IntRange(min=1, max=100_000), default=1000, show_default=True
+)
+@ACTOR_OPTION
+@pass_context
+def backfill(
+    ctx: Context,
+    *,
+    tenant: str | None,
+    since: str | None,
+    dry_run: bool,
+    page_size: int,
+    actor: str | None,
+) -> None:
+    """Enqueue every ticket consumers can read that enrichq never enriched (before cutover).
+
+    Walks the help desk's mirror (and, with no --tenant, the tickets with legacy rows the
+    mirror lacks) a page at a time; each ticket without an enrichment or an open queue row
+    gets a `backfill` row, served after all other work, within the bytes budget and the
+    warehouse cap. Audited; `enrichq status` shows the backfill rows by state.
+    """
+    settings = ctx.settings
+    since_at = _parse_day(since, "--since")
+    if tenant is not None and (len(tenant) > 200 or not tenant.isprintable()):
+        fail(f"backfill: --tenant {tenant!r}: expected at most 200 printable characters")
+    who = _actor("backfill", actor)
+    from enrichq_service.backfill_command import run_backfill
+
+    with ctx.database() as url:
+        sys.exit(
+            run_backfill(
+                settings,
+                url,
+                tenant=tenant,
+                since=since_at,
+                dry_run=dry_run,
+                page_size=page_size,
+                actor=who,
             )
         )
 

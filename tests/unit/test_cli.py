@@ -33,6 +33,7 @@ COMMANDS = [
     ["parity", "runs"],
     ["parity", "show"],
     ["cutover"],
+    ["backfill"],
     ["demo"],
 ]
 
@@ -56,6 +57,7 @@ def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
     for name in ("migrate", "serve", "worker", "sweep", "enqueue", "status", "dlq", "parity"):
         assert name in out
     assert "cutover" in out
+    assert "backfill" in out
     assert "demo" in out
     for name in ("cancel", "pause", "resume", "audit"):
         assert name in out

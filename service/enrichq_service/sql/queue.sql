@@ -76,7 +76,8 @@ ORDER BY i.ord;
 -- kinds: the tenant's plan priority (ownerless work counts as the middle plan, whatever
 -- its kind) plus one level per :aging_seconds its oldest visible row has waited; then the
 -- (kind, tenant) served least in the last day (claims count as served, so in-flight work
--- counts); then oldest visible first. Never a key that has a lease, of any kind: committed
+-- counts); then oldest visible first; backfill work last of all. Never a key that has a
+-- lease, of any kind: committed
 -- (the leased-key probe), being claimed by another transaction right now (the key's
 -- try-lock), or committed after this statement's snapshot (the leased-key index refuses
 -- the second lease: the caller claims again). Never a (kind, tenant) an operator paused
@@ -112,11 +113,14 @@ ranked AS MATERIALIZED (
     FROM walk AS w
     CROSS JOIN clock
     CROSS JOIN LATERAL (
+        -- backfill work (`enrichq backfill`) comes after every plan and never ages up: it
+        -- is served when nothing else is visible
         SELECT o.oldest,
+               CASE WHEN w.kind = 'backfill' THEN -1 ELSE
                coalesce((SELECT t.priority FROM enrichq.tenants AS t
                          WHERE t.tenant = w.tenant AND w.tenant <> ''), :middle_priority)
                + floor(CAST(extract(epoch FROM clock.now - o.oldest) AS float8)
-                       / CAST(:aging_seconds AS float8)) AS level
+                       / CAST(:aging_seconds AS float8)) END AS level
         FROM (SELECT q.visible_at AS oldest FROM enrichq.queue AS q
               WHERE q.state = 'queued' AND q.kind = w.kind
                 AND coalesce(q.tenant, '') = w.tenant AND q.visible_at <= clock.now
