@@ -224,8 +224,8 @@ def test_a_run_on_a_paused_standby_does_not_gate_a_cutover(
         with primary.begin() as conn:
             conn.execute(
                 sa.text(
-                    "INSERT INTO enrichq.parity_approvals (parity_run_id, approved_by)"
-                    " VALUES (:id, 'alice')"
+                    "INSERT INTO enrichq.parity_approvals (parity_run_id, approved_by, reviewer_key)"
+                    " VALUES (:id, 'alice', 'alice')"
                 ),
                 {"id": report["run_id"]},
             )
