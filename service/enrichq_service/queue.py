@@ -26,6 +26,7 @@ from enrichq_schema.states import (
     KEY_MAX_LENGTH,
     NOTIFY_CHANNEL,
     OWNERLESS_PRIORITY,
+    PLAN_PRIORITY,
     Kind,
     Outcome,
     Reason,
@@ -43,6 +44,8 @@ PAYLOAD_MAX_BYTES = 64 * 1024
 # pg_locks shows them as classid 0x656E7271, objid the key's hashtext.
 KEY_LOCK_SPACE = 0x656E7271
 ALL_KINDS: tuple[str, ...] = tuple(k.value for k in Kind)
+# Where aging stops: the top plan's level, where rows that waited long enough meet.
+TOP_PRIORITY = max(PLAN_PRIORITY.values())
 
 
 class QueueInputError(ServiceError):
@@ -242,6 +245,7 @@ def claim(
             "lease_seconds": float(lease_seconds),
             "aging_seconds": float(aging_seconds),
             "middle_priority": OWNERLESS_PRIORITY,
+            "top_priority": TOP_PRIORITY,
             "key_lock_space": KEY_LOCK_SPACE,
             "now": now,
         },

@@ -609,3 +609,39 @@ def test_refresh_work_is_its_tickets_tenants_so_pause_and_cancel_see_it(
 
     selected = controls.select(conn, Filter.build(Scope.OPEN, tenant="acme"), now=at(1))
     assert [row(conn, i).key for i in selected.ids] == ["A-1"]
+
+
+def test_a_growing_higher_plan_backlog_never_starves_a_free_ticket(
+    conn: sa.Connection, cfg: Settings
+) -> None:
+    """Overload: the priority plan's backlog has been growing for ten minutes and keeps
+    growing (3 rows a second arrive, the claims take 2), so its oldest row ages as fast as
+    the free ticket. The free ticket still waits at most about (plan levels x aging): it
+    meets the backlog at the top level, and there the least-served tenant goes first."""
+    aging = 60.0
+    conn.execute(
+        sa.text(
+            "INSERT INTO enrichq.tenants (tenant, plan, priority)"
+            " VALUES ('vip', 'priority', 2), ('cheap', 'free', 0)"
+        )
+    )
+    old = [EnqueueRequest.build(key=f"vip-old-{i}", tenant="vip") for i in range(1000)]
+    queue.enqueue(conn, old, settings=cfg, now=at(-600))  # the backlog so far, unserved
+    put(conn, cfg, "cheap-0", tenant="cheap", delay_seconds=0)
+    bound = len(Plan) * aging
+    served_after = None
+    for second in range(int(2 * bound)):
+        for n in range(3):
+            put(conn, cfg, f"vip-{second}-{n}", tenant="vip", delay_seconds=second)
+        jobs = queue.claim(
+            conn, owner="w", limit=2, lease_seconds=LEASE, aging_seconds=aging, now=at(second)
+        )
+        if "cheap-0" in {j.key for j in jobs}:
+            served_after = float(second)
+            break
+    backlog = conn.execute(
+        sa.text("SELECT count(*) FROM enrichq.queue WHERE state = 'queued' AND tenant = 'vip'")
+    ).scalar_one()
+    assert backlog > 1000  # it grew while the free ticket waited
+    assert served_after is not None, f"the free ticket waited over {2 * bound:.0f} s"
+    assert served_after <= bound, f"the free ticket waited {served_after:.0f} s"

@@ -28,7 +28,7 @@ from tests.support.plans import (
 from enrichq_schema.db import create_engine
 from enrichq_schema.queries import Queries, load
 from enrichq_schema.states import NOTIFY_CHANNEL, OWNERLESS_PRIORITY
-from enrichq_service.queue import KEY_LOCK_SPACE
+from enrichq_service.queue import KEY_LOCK_SPACE, TOP_PRIORITY
 
 QUEUE_SQL = load("enrichq_service", "sql/queue.sql")
 OBSERVE_SQL = load("enrichq_service", "sql/observe.sql")
@@ -165,6 +165,7 @@ CLAIM_PARAMS = {
     "lease_seconds": 60.0,
     "aging_seconds": 600.0,
     "middle_priority": OWNERLESS_PRIORITY,
+    "top_priority": TOP_PRIORITY,
     "key_lock_space": KEY_LOCK_SPACE,
     "now": None,
 }

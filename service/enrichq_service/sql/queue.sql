@@ -65,7 +65,9 @@ ORDER BY i.ord;
 -- Leases up to :limit visible rows of the kinds :kinds to :owner and returns them, each
 -- with the claim token that fences its later writes. Order (DESIGN §3, fairness), across
 -- kinds: the tenant's plan priority (ownerless work counts as the middle plan, whatever
--- its kind) plus one level per :aging_seconds its oldest visible row has waited; then the
+-- its kind) plus one level per :aging_seconds its oldest visible row has waited, at most
+-- :top_priority (the top plan's), so no row waits more than about (plan levels ×
+-- :aging_seconds) behind a higher plan's backlog, however fast that grows; then the
 -- (kind, tenant) served least in the last day (claims count as served, so in-flight work
 -- counts); then oldest visible first. Never a key that has a lease, of any kind: committed
 -- (the leased-key probe), being claimed by another transaction right now (the key's
@@ -104,10 +106,14 @@ ranked AS MATERIALIZED (
     CROSS JOIN clock
     CROSS JOIN LATERAL (
         SELECT o.oldest,
-               coalesce((SELECT t.priority FROM enrichq.tenants AS t
-                         WHERE t.tenant = w.tenant AND w.tenant <> ''), :middle_priority)
-               + floor(CAST(extract(epoch FROM clock.now - o.oldest) AS float8)
-                       / CAST(:aging_seconds AS float8)) AS level
+               -- capped at the top plan: rows that waited long enough meet there, and the
+               -- least served goes first (uncapped, a growing backlog of a higher plan ages
+               -- as fast as a lower plan's row and stays ahead of it for good)
+               least(CAST(:top_priority AS int),
+                     coalesce((SELECT t.priority FROM enrichq.tenants AS t
+                               WHERE t.tenant = w.tenant AND w.tenant <> ''), :middle_priority)
+                     + floor(CAST(extract(epoch FROM clock.now - o.oldest) AS float8)
+                             / CAST(:aging_seconds AS float8))) AS level
         FROM (SELECT q.visible_at AS oldest FROM enrichq.queue AS q
               WHERE q.state = 'queued' AND q.kind = w.kind
                 AND coalesce(q.tenant, '') = w.tenant AND q.visible_at <= clock.now
