@@ -122,8 +122,8 @@ queue = sa.Table(
     ),
     # Merge: one queued row per (kind, key); a second enqueue is a no-op.
     sa.Index(QUEUED_KEY_INDEX, "kind", "key", unique=True, postgresql_where=sa.text(QUEUED)),
-    # Claim: per kind and tenant, visible rows oldest first. The tenant column lets a claim
-    # walk the distinct tenants with a loose index scan instead of sorting the backlog.
+    # Claim: per kind and tenant, visible rows oldest first: the claim reads a pair's rows
+    # (its head says which pairs) and the head refresh finds a pair's oldest row by it.
     sa.Index(
         "queue_claim_idx",
         "kind",
@@ -192,6 +192,38 @@ tenant_served = sa.Table(
     sa.Column("served", sa.BigInteger, nullable=False),
     # Retention drops old buckets of every tenant without reading the others.
     sa.Index("tenant_served_bucket_idx", "bucket"),
+)
+
+# One row per (kind, tenant) that has had queued work: where the claim starts, so its cost
+# follows the batch, not the number of tenants with queued rows (issue 26). Kept by the
+# queue's own triggers (migration 0010: any statement that queues a row makes or lowers its
+# pair's head, so `oldest` is never after any queued row of the pair) and by the claim,
+# which re-evaluates the heads that are due (`due_at`: visible, one aging step further, a
+# served hour leaving the day, or a periodic look) and the pairs it took rows from.
+# `behind` (levels below the top plan's; NULL: nothing visible), `served` (claims of the
+# last day) and `oldest` are the claim order's terms as of that evaluation, all ascending,
+# so the claim walks the order index one entry at a time; ownerless work is tenant ''.
+queue_heads = sa.Table(
+    "queue_heads",
+    metadata,
+    sa.Column("kind", sa.Text, primary_key=True),
+    sa.Column("tenant", sa.Text, primary_key=True),
+    _at("oldest"),
+    sa.Column("behind", sa.SmallInteger),
+    sa.Column("served", sa.BigInteger, nullable=False, server_default="0"),
+    _at("due_at"),
+    # The claim order: the pairs with visible work, best first; read a few entries a claim.
+    sa.Index(
+        "queue_heads_order_idx",
+        "behind",
+        "served",
+        "oldest",
+        "kind",
+        "tenant",
+        postgresql_where=sa.text("behind IS NOT NULL"),
+    ),
+    # The heads to evaluate again, soonest first.
+    sa.Index("queue_heads_due_idx", "due_at"),
 )
 
 # Terminal rows by kind, state and dead reason ('' when none), counted by the sweeper leader
