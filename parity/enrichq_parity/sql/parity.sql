@@ -121,7 +121,8 @@ summary AS MATERIALIZED (
                             WHERE e.ticket_id = CAST(t.id AS text))
                         AND NOT EXISTS (
                             SELECT 1 FROM {legacy} AS l
-                            WHERE l.ticket_id = CAST(t.id AS text) AND l.order_id IS NOT NULL)
+                            WHERE CAST(l.ticket_id AS text) = CAST(t.id AS text)
+                              AND l.order_id IS NOT NULL)
                        THEN 'not_enriched'
                END AS excluded
         FROM {tickets} AS t
