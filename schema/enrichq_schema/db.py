@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
@@ -245,6 +246,64 @@ def head_revision() -> str | None:
     from alembic.script import ScriptDirectory
 
     return ScriptDirectory(str(MIGRATIONS)).get_current_head()
+
+
+SCHEMA_WAIT_LOG_SECONDS = 5.0
+"""While a process waits for `enrichq migrate`, it says so this often."""
+
+
+def schema_problem(engine: sa.Engine) -> str | None:
+    """Why this database cannot be worked on by this enrichq, or None when it is at head."""
+    with engine.connect() as conn:
+        current = current_revision(conn)
+    head = head_revision()
+    if current == head:
+        return None
+    if current is not None and not _known_revision(current):
+        return (
+            f"the database is at revision {current}, newer than this enrichq's {head}: run the "
+            "enrichq release that migrated it"
+        )
+    return f"the database is at revision {current or 'none'}, not {head} (run `enrichq migrate`)"
+
+
+def _known_revision(revision: str) -> bool:
+    from alembic.script import ScriptDirectory
+    from alembic.util import CommandError
+
+    try:
+        return ScriptDirectory(str(MIGRATIONS)).get_revision(revision) is not None
+    except CommandError:
+        return False
+
+
+def await_schema(
+    engine: sa.Engine,
+    *,
+    wait: bool,
+    stop: threading.Event,
+    what: str,
+    poll_seconds: float = 1.0,
+) -> bool:
+    """Return True once the database is at head. Not there: with `wait`, say so in one log
+    line every SCHEMA_WAIT_LOG_SECONDS and look again until it is (False if `stop` is set
+    first); without, SettingsError (exit 2). A database newer than this enrichq never
+    becomes right by waiting: SettingsError either way."""
+    from enrichq_schema.errors import SettingsError
+
+    said_at = -SCHEMA_WAIT_LOG_SECONDS
+    while True:
+        problem = schema_problem(engine)
+        if problem is None:
+            return True
+        if not wait or "newer than" in problem:
+            raise SettingsError(f"{what}: {problem}")
+        now = time.monotonic()
+        if now - said_at >= SCHEMA_WAIT_LOG_SECONDS:
+            log.info("%s waits for the schema: %s", what, problem)
+            said_at = now
+        if stop.wait(poll_seconds):
+            return False
 
 
 def rerun_lost_races(conn: sa.Connection, statement: Callable[[], T]) -> T:
