@@ -181,6 +181,17 @@ def print_summary(console: Any, report: ParityReport) -> None:
         f"extra {t.extra_orders:,}, drift {t.drift_orders:,}, "
         f"unverified {t.unverified_orders:,}",
     )
+    if report.coverage is not None:
+        every = report.coverage
+        lacking = every.legacy_only
+        table.add_row(
+            "not yet enriched",
+            f"{every.not_enriched:,}",
+            "all time, every ticket consumers can read; cutover needs 0 (`enrichq backfill`)"
+            + (f"; {lacking:,} legacy tickets the mirror lacks" if lacking else ""),
+        )
+    if "read_side" in report.sources:
+        table.add_row("read", "", report.sources["read_side"])
     console.print(table)
     for r in report.rules:
         flag = "[yellow]matched nothing[/]" if r.unused else plural(r.matched, "ticket")

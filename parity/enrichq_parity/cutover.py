@@ -31,7 +31,15 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from enrichq_parity.model import Approval, Tally, Thresholds, decide, plural
+from enrichq_parity.model import (
+    Approval,
+    Coverage,
+    Tally,
+    Thresholds,
+    decide,
+    pct,
+    plural,
+)
 from enrichq_parity.review import Refused, ReviewInputError, approvals_of, check_name, say_failure
 from enrichq_schema.errors import EnrichqError
 from enrichq_schema.identifiers import qualified, relation_exists, render
@@ -133,7 +141,8 @@ def plan(current: ViewState, action: Action, tenants: Sequence[str] | None) -> P
 class GateRun:
     """The latest finished parity run, as the gate sees it.
 
-    `thresholds` is None for a run recorded before verdicts by fault.
+    `thresholds` is None for a run recorded before verdicts by fault; `coverage` and
+    `data_at` are None for a run recorded before runs kept what they read.
     """
 
     id: int
@@ -142,16 +151,55 @@ class GateRun:
     total: Tally
     tenants: Mapping[str, Tally]
     approvals: tuple[Approval, ...]
+    window_since: datetime | None = None
+    window_until: datetime | None = None
+    data_at: datetime | None = None
+    replica_lag_seconds: float | None = None
+    coverage: Coverage | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Bars:
+    """What the gate holds a run to: the settings in force at cutover time."""
+
+    thresholds: Thresholds
+    max_age_hours: float
+    window_days: float
+
+    @classmethod
+    def of(cls, settings: Settings) -> Bars:
+        """The bars of these settings."""
+        return cls(
+            Thresholds(
+                settings.parity_min_order_coverage,
+                settings.parity_max_shadow_fault_rate,
+                settings.parity_min_ticket_match_rate,
+            ),
+            settings.parity_max_age_hours,
+            settings.parity_window_days,
+        )
 
 
 def gate(
-    run: GateRun | None, now: datetime, max_age_hours: float, tenants: Sequence[str] | None
+    run: GateRun | None,
+    now: datetime,
+    bars: Bars,
+    tenants: Sequence[str] | None,
+    live: Coverage | None = None,
+    *,
+    excluding: bool = False,
 ) -> list[str]:
     """What keeps a cutover of `tenants` (None: every tenant) from happening; [] allows it.
 
-    The three things cutover needs of the latest finished run, each said when missing:
-    it passed (on each moved tenant's own figures, every legacy fault accepted), it is
-    fresh, and a reviewer approved it.
+    `excluding`: `tenants` are every tenant known but some excluded ones, judged like a
+    whole cutover: each tenant of the run on its own figures, a tenant without a ticket in
+    the window on its coverage alone.
+
+    What cutover needs of the latest finished run, each said when missing: it passes by the
+    bars in force now (each tenant on its own figures, every legacy fault accepted), it is
+    fresh (its window ends, and its data is, within the age bound; it covers at least the
+    configured window), a reviewer approved it, and (`live`: counted now) no ticket
+    consumers can read is still never enriched and the shadow table holds what it saw.
     """
     if run is None:
         return ["no finished parity run: run `enrichq parity` first"]
@@ -162,31 +210,125 @@ def gate(
             "again"
         )
     else:
-        for tenant in [None] if tenants is None else tenants:
-            missing.extend(_passing(run, run.thresholds, tenant))
-    age = now - run.finished_at
-    if age >= timedelta(hours=max_age_hours):
-        missing.append(
-            f"parity run #{run.id} finished {age.total_seconds() / 3600:.1f} h ago, older than "
-            f"ENRICHQ_PARITY_MAX_AGE_HOURS ({max_age_hours:g}): run `enrichq parity` again"
+        # a whole cutover: every tenant of the run on its own figures, as if moved alone
+        judged: list[str | None] = list(
+            sorted(run.tenants)
+            if tenants is None
+            else [t for t in tenants if t in run.tenants]
+            if excluding
+            else tenants
         )
+        for tenant in judged or [None]:
+            missing.extend(_passing(run, run.thresholds, bars.thresholds, tenant))
+    missing.extend(_fresh(run, now, bars))
     if not run.approvals:
         missing.append(
             f"parity run #{run.id} is not approved: review its report, then "
             f"`enrichq parity approve {run.id} --by NAME`"
         )
+    if run.coverage is None:
+        missing.append(
+            f"parity run #{run.id} was recorded before runs counted every ticket consumers can "
+            "read: run `enrichq parity` again"
+        )
+    elif live is not None:
+        missing.extend(_covered(run, run.coverage, live, tenants))
     return missing
 
 
-def _passing(run: GateRun, thresholds: Thresholds, tenant: str | None) -> list[str]:
-    """Why the run does not pass for `tenant` (None: over every ticket); [] when it does."""
+def _fresh(run: GateRun, now: datetime, bars: Bars) -> list[str]:
+    """Why the run is not fresh: its window ends too long ago, is too short, or its data
+    (a standby's last replayed commit) is too old; [] when it is fresh."""
+    bound = timedelta(hours=bars.max_age_hours)
+    out: list[str] = []
+    ended = run.window_until or run.finished_at
+    if now - ended >= bound:
+        out.append(
+            f"parity run #{run.id} judged tickets created up to {ended:%Y-%m-%d %H:%M} UTC, "
+            f"{_hours(now - ended)} h ago, older than ENRICHQ_PARITY_MAX_AGE_HOURS "
+            f"({bars.max_age_hours:g}): run `enrichq parity` again"
+        )
+    if run.window_since is not None and run.window_until is not None:
+        length = run.window_until - run.window_since
+        if length < timedelta(days=bars.window_days) - timedelta(seconds=1):
+            out.append(
+                f"parity run #{run.id} covers {length.total_seconds() / 86400:.1f} days, "
+                f"shorter than ENRICHQ_PARITY_WINDOW_DAYS ({bars.window_days:g}): run "
+                "`enrichq parity` over the default window"
+            )
+    if run.data_at is not None and now - run.data_at >= bound:
+        lag = (
+            ""
+            if run.replica_lag_seconds is None
+            else f"; it read a standby {run.replica_lag_seconds:,.0f} s behind"
+        )
+        out.append(
+            f"parity run #{run.id} read data as of {run.data_at:%Y-%m-%d %H:%M} UTC, "
+            f"{_hours(now - run.data_at)} h old{lag}, older than ENRICHQ_PARITY_MAX_AGE_HOURS "
+            f"({bars.max_age_hours:g}): run `enrichq parity` on a replica that is replaying "
+            "(or on the primary)"
+        )
+    return out
+
+
+def _hours(age: timedelta) -> str:
+    return f"{age.total_seconds() / 3600:.1f}"
+
+
+def _covered(
+    run: GateRun, seen: Coverage, live: Coverage, tenants: Sequence[str] | None
+) -> list[str]:
+    """Why consumers would lose rows they read now: tickets never enriched, counted now, and
+    a shadow table that holds less than the run saw; [] when neither."""
+    every = sorted({t.tenant for t in live.tenants} | {t.tenant for t in seen.tenants})
+    scope = every if tenants is None else list(tenants)
+    out: list[str] = []
+    never = {t: live.of(t).not_enriched for t in scope if live.of(t).not_enriched}
+    if never:
+        if tenants is not None and len(scope) == 1:
+            (tenant,) = scope
+            out.append(
+                f"{plural(never[tenant], 'ticket')} of tenant {_name(tenant)} that consumers "
+                "can read were never enriched by enrichq (all time, not only the parity "
+                f"window): run `enrichq backfill --tenant {_name(tenant)}` and let the "
+                "workers drain it"
+            )
+        else:
+            which = ", ".join(f"{_name(t)} {n:,}" for t, n in never.items())
+            out.append(
+                f"{plural(sum(never.values()), 'ticket')} that consumers can read were never "
+                f"enriched by enrichq ({which}; all time, not only the parity window): run "
+                "`enrichq backfill` and let the workers drain it"
+            )
+    if tenants is None and live.legacy_only_not_enriched:
+        out.append(
+            f"{plural(live.legacy_only_not_enriched, 'ticket')} with legacy rows are missing "
+            "from the tickets mirror and were never enriched: a whole cutover would hide "
+            "them (add them to the mirror and run `enrichq backfill`, or cut tenants over "
+            "with --tenant or --exclude-tenant, which keeps their legacy rows)"
+        )
+    for tenant in scope:
+        then, now_ = seen.of(tenant), live.of(tenant)
+        if now_.enriched < then.enriched or now_.shadow_orders < then.shadow_orders:
+            out.append(
+                f"{SHADOW_TABLE} holds {now_.shadow_orders:,} order rows of "
+                f"{plural(now_.enriched, 'enriched ticket')} of tenant {_name(tenant)}, fewer "
+                f"than parity run #{run.id} saw ({then.shadow_orders:,} order rows of "
+                f"{then.enriched:,}): run `enrichq parity` again"
+            )
+    return out
+
+
+def _passing(run: GateRun, own: Thresholds, bars: Thresholds, tenant: str | None) -> list[str]:
+    """Why the run does not pass for `tenant` (None: over every ticket) by the bars in force
+    now; [] when it does."""
     tally = run.total if tenant is None else run.tenants.get(tenant)
     who = "" if tenant is None else f" for tenant {_name(tenant)}"
     if tally is None:
         return [f"parity run #{run.id} has no tickets of tenant {_name(tenant)}: nothing to judge"]
-    verdict = decide(tally, thresholds)
+    verdict = decide(tally, bars)
     if not verdict.passed:
-        return [f"parity run #{run.id} did not pass{who} ({verdict.reason})"]
+        return [f"parity run #{run.id} did not pass{who} ({verdict.reason}){_bars_then(own, bars)}"]
     if not verdict.ready:
         return [
             f"parity run #{run.id} has "
@@ -195,6 +337,20 @@ def _passing(run: GateRun, thresholds: Thresholds, tenant: str | None) -> list[s
             "again"
         ]
     return []
+
+
+def _bars_then(own: Thresholds, bars: Thresholds) -> str:
+    """The run's own bars, when they are not the ones in force now."""
+    if (own.min_order_coverage, own.max_shadow_fault_rate) == (
+        bars.min_order_coverage,
+        bars.max_shadow_fault_rate,
+    ):
+        return ""
+    return (
+        f" by the bars in force now; it ran with order coverage ≥ "
+        f"{pct(own.min_order_coverage)} and shadow fault rate ≤ "
+        f"{pct(own.max_shadow_fault_rate)}"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,21 +407,36 @@ def repoint(
     tenants: Sequence[str] | None,
     actor: str,
     now: datetime | None = None,
+    exclude: Sequence[str] = (),
 ) -> CutoverResult:
-    """Move `tenants` (None: every tenant) towards enrichq's rows or back, in the caller's
-    transaction: gate (towards enrichq only), record one event per tenant moved, then change
-    the staged set and, when the mode changes, the view. CutoverRefused: the gate said no."""
+    """Move `tenants` (None: every tenant but those in `exclude`) towards enrichq's rows or
+    back, in the caller's transaction: gate (towards enrichq only), record one event per
+    tenant moved, then change the staged set and, when the mode changes, the view.
+    CutoverRefused: the gate said no."""
     q = _queries()
     conn.execute(q("cutover_lock"))
     conn.execute(q("cutover_lock_timeout"), {"timeout": LOCK_TIMEOUT})
     current = ensure_view(conn, settings)
+    at: datetime = conn.execute(q("cutover_now"), {"now": now}).scalar_one()
+    run = _gate_run(conn)
+    live = None
+    if action is Action.CUTOVER:
+        whole = tenants is None and not exclude
+        live = live_coverage(conn, settings, at, legacy_only=whole)
+        if exclude:
+            # every tenant known but the excluded ones, staged: the others stay on legacy
+            if tenants is not None:
+                raise CutoverRefused("--exclude-tenant goes with a whole cutover, not --tenant")
+            known = {t.tenant for t in live.tenants} | set(current.tenants)
+            known |= set(run.tenants) if run is not None else set()
+            tenants = sorted(known - set(exclude))
+            if not tenants:
+                raise CutoverRefused("every tenant is excluded: nothing to move")
     step = plan(current, action, tenants)
     if step is None:
         return CutoverResult(action, current, (), None, _unchanged(action, tenants))
-    at: datetime = conn.execute(q("cutover_now"), {"now": now}).scalar_one()
-    run = _gate_run(conn)
     if action is Action.CUTOVER:
-        refusals = gate(run, at, settings.parity_max_age_hours, step.moved)
+        refusals = gate(run, at, Bars.of(settings), step.moved, live, excluding=bool(exclude))
         if refusals:
             raise CutoverRefused("; ".join(refusals))
     run_id = None if run is None else run.id
@@ -301,6 +472,7 @@ def repoint_waiting(
     action: Action,
     tenants: Sequence[str] | None,
     actor: str,
+    exclude: Sequence[str] = (),
     wait_seconds: float = WAIT_SECONDS_DEFAULT,
     on_retry: Callable[[int], None] | None = None,
     rng: random.Random | None = None,
@@ -319,7 +491,9 @@ def repoint_waiting(
         tries += 1
         try:
             with engine.begin() as conn:
-                return repoint(conn, settings, action=action, tenants=tenants, actor=actor)
+                return repoint(
+                    conn, settings, action=action, tenants=tenants, actor=actor, exclude=exclude
+                )
         except sa.exc.OperationalError as exc:
             if not lock_not_available(exc) or time.monotonic() >= deadline:
                 raise
@@ -443,6 +617,31 @@ def _sources(conn: sa.Connection) -> list[str]:
     return [f"{r.schema_name}.{r.table_name}" for r in rows]
 
 
+def live_coverage(
+    conn: sa.Connection, settings: Settings, at: datetime, *, legacy_only: bool = True
+) -> Coverage:
+    """Every ticket consumers can read, counted now on the database cutover moves (what the
+    gate checks against the run's figures); `legacy_only`: the legacy tickets the mirror
+    lacks too (only a whole cutover hides them)."""
+    from enrichq_parity.parity import read_coverage
+
+    relations = {}
+    for name, table, setting in (
+        ("tickets", settings.tickets_table, "ENRICHQ_TICKETS_TABLE"),
+        ("legacy", settings.legacy_table, "ENRICHQ_LEGACY_TABLE"),
+    ):
+        relations[name] = qualified(conn.dialect, table)
+        if not relation_exists(conn, relations[name]):
+            raise CutoverError(
+                f"table {table} does not exist ({setting}): the gate counts the tickets "
+                "consumers can read there"
+            )
+    young_after = at - timedelta(
+        seconds=settings.delay_created_seconds + settings.parity_grace_seconds
+    )
+    return read_coverage(conn, relations, young_after, legacy_only=legacy_only)
+
+
 def _gate_run(conn: sa.Connection) -> GateRun | None:
     row = conn.execute(_queries()("cutover_gate_run")).first()
     if row is None:
@@ -461,6 +660,11 @@ def _gate_run(conn: sa.Connection) -> GateRun | None:
         total=Tally.from_dict(row.total or {}),
         tenants={t["tenant"]: Tally.from_dict(t) for t in row.tenants or ()},
         approvals=approvals_of(conn, [row.id])[row.id],
+        window_since=row.window_since,
+        window_until=row.window_until,
+        data_at=row.data_at,
+        replica_lag_seconds=row.replica_lag_seconds,
+        coverage=None if row.coverage is None else Coverage.from_dict(row.coverage),
     )
 
 
@@ -607,6 +811,7 @@ def run_cli(
     rollback: bool,
     actor: str | None,
     tenants: Sequence[str] = (),
+    exclude: Sequence[str] = (),
     show_status: bool = False,
     as_json: bool = False,
     wait_seconds: float = WAIT_SECONDS_DEFAULT,
@@ -621,6 +826,7 @@ def run_cli(
     try:
         who = check_name(default_actor() if actor is None else actor, "--actor")
         chosen = check_tenants(tenants) if tenants else None
+        excluded = check_tenants(exclude)
     except ReviewInputError as exc:
         return say_failure("cutover", exc)
     engine = create_engine(
@@ -645,6 +851,7 @@ def run_cli(
             action=action,
             tenants=chosen,
             actor=who,
+            exclude=excluded,
             wait_seconds=wait_seconds,
             on_retry=lambda tries: _waiting(action, tries),
         )

@@ -120,11 +120,15 @@ class Exclusion(StrEnum):
 
     TOO_YOUNG = "too_young"
     OPEN_QUEUE_ROWS = "open_queue_rows"
+    NOT_ENRICHED = "not_enriched"
+    """Enrichq never looked it up and legacy has no orders for it: nothing was compared (not
+    an exact match); `enrichq backfill` enriches it."""
 
 
 EXCLUSION_LABELS: Mapping[Exclusion, str] = {
     Exclusion.TOO_YOUNG: "Too young (created after the visibility delay plus grace)",
     Exclusion.OPEN_QUEUE_ROWS: "Open queue rows (queued or leased: still being processed)",
+    Exclusion.NOT_ENRICHED: "Never enriched, no legacy orders (never looked up: `backfill`)",
 }
 
 ORDER_FIELDS = ("legacy", "matched", "missing", "extra", "drift", "unverified")
@@ -163,6 +167,7 @@ class Tally:
     extra_only: int = 0
     too_young: int = 0
     open_queue_rows: int = 0
+    not_enriched: int = 0
     legacy_orders: int = 0
     matched_orders: int = 0
     missing_orders: int = 0
@@ -533,6 +538,80 @@ class TenantResult:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantCoverage:
+    """One tenant's tickets in the mirror, all time ('' = no tenant), and the shadow table.
+
+    `not_enriched`: tickets old enough to have been enriched (created before the run's
+    "too young" line) that enrichq never enriched: consumers would lose what legacy shows
+    for them at cutover. `enriched` and `shadow_orders`: what enrichq's tables hold for the
+    tenant (the gate checks they are still there at cutover time).
+    """
+
+    tenant: str
+    tickets: int
+    not_enriched: int
+    enriched: int
+    shadow_orders: int
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON shape."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Coverage:
+    """Every ticket consumers can read through the view, all time (not just the window).
+
+    `legacy_only`: tickets with legacy rows that the mirror lacks (they have no tenant; a
+    staged cutover keeps showing their legacy rows, a whole one would hide them), of which
+    `legacy_only_not_enriched` enrichq never enriched.
+    """
+
+    tenants: tuple[TenantCoverage, ...]
+    legacy_only: int = 0
+    legacy_only_not_enriched: int = 0
+
+    def of(self, tenant: str) -> TenantCoverage:
+        """One tenant's coverage (a tenant without tickets: all zero)."""
+        for t in self.tenants:
+            if t.tenant == tenant:
+                return t
+        return TenantCoverage(tenant, 0, 0, 0, 0)
+
+    @property
+    def not_enriched(self) -> int:
+        """Tickets of every tenant that enrichq never enriched (legacy-only ones included)."""
+        return sum(t.not_enriched for t in self.tenants) + self.legacy_only_not_enriched
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON shape."""
+        return {
+            "not_enriched": self.not_enriched,
+            "legacy_only": self.legacy_only,
+            "legacy_only_not_enriched": self.legacy_only_not_enriched,
+            "tenants": [t.as_dict() for t in self.tenants],
+        }
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> Coverage:
+        """The coverage of a stored run."""
+        return cls(
+            tuple(
+                TenantCoverage(
+                    str(t["tenant"]),
+                    int(t["tickets"]),
+                    int(t["not_enriched"]),
+                    int(t["enriched"]),
+                    int(t["shadow_orders"]),
+                )
+                for t in doc.get("tenants", ())
+            ),
+            int(doc.get("legacy_only", 0)),
+            int(doc.get("legacy_only_not_enriched", 0)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class Verdict:
     """The decision over a tally, and one line saying why.
 
@@ -578,17 +657,11 @@ def decide(tally: Tally, thresholds: Thresholds) -> Verdict:
         return Verdict(
             False, f"no tickets compared in the window{why}: nothing to judge", False, True
         )
-    coverage, rate = tally.order_coverage, tally.shadow_fault_rate
-    if coverage is None or rate is None:
-        return Verdict(
-            False,
-            f"legacy has no orders for the {tally.compared} compared tickets: "
-            "order coverage is undefined",
-            False,
-            True,
-        )
+    coverage, rate = tally.order_coverage, tally.shadow_faults / tally.compared
     short: list[str] = []
-    if coverage < thresholds.min_order_coverage:
+    # No legacy order among the compared tickets (the legacy flow lost them all, or the
+    # customers have none): coverage of an empty set is no failure, the fault rate judges.
+    if coverage is not None and coverage < thresholds.min_order_coverage:
         short.append(
             f"order coverage {pct(coverage)} is below {pct(thresholds.min_order_coverage)}"
         )
@@ -600,9 +673,10 @@ def decide(tally: Tally, thresholds: Thresholds) -> Verdict:
     if short:
         return Verdict(False, "; ".join(short))
     bars = (
-        f"order coverage {pct(coverage)} ≥ {pct(thresholds.min_order_coverage)} and "
-        f"shadow fault rate {pct(rate)} ≤ {pct(thresholds.max_shadow_fault_rate)}"
-    )
+        f"order coverage {pct(coverage)} ≥ {pct(thresholds.min_order_coverage)}"
+        if coverage is not None
+        else "order coverage n/a (legacy has no orders for these tickets)"
+    ) + f" and shadow fault rate {pct(rate)} ≤ {pct(thresholds.max_shadow_fault_rate)}"
     unaccepted = tally.unaccepted_legacy_faults
     if unaccepted:
         return Verdict(
@@ -619,6 +693,13 @@ def decide(tally: Tally, thresholds: Thresholds) -> Verdict:
             ready=True,
         )
     return Verdict(True, f"{bars}; no legacy faults", ready=True)
+
+
+def failing_tenants(tenants: Mapping[str, Tally], thresholds: Thresholds) -> dict[str, Verdict]:
+    """The tenants whose own figures are not ready for cutover (failing, or with legacy
+    faults not accepted), by name: what a whole cutover refuses."""
+    verdicts = {t: decide(tenants[t], thresholds) for t in sorted(tenants)}
+    return {t: v for t, v in verdicts.items() if not v.ready}
 
 
 @dataclass(frozen=True, slots=True)
@@ -641,6 +722,8 @@ class ParityReport:
     rules: tuple[RuleResult, ...]
     accept_file: AcceptFile | None
     sources: Mapping[str, str]
+    coverage: Coverage | None = None
+    """Every ticket consumers can read, all time (None: a run recorded before it)."""
 
     @property
     def verdict(self) -> Verdict:
@@ -689,6 +772,7 @@ class ParityReport:
                 else {"path": self.accept_file.path, "sha256": self.accept_file.sha256}
             ),
             "rules": [r.as_dict() for r in self.rules],
+            "coverage": None if self.coverage is None else self.coverage.as_dict(),
             "total": self.total.as_dict(),
             "days": [
                 {
@@ -757,6 +841,7 @@ class ParityReport:
                 else AcceptFile(accept["path"], accept["sha256"], tuple(r.rule for r in rules))
             ),
             sources=dict(doc.get("sources", {})),
+            coverage=None if doc.get("coverage") is None else Coverage.from_dict(doc["coverage"]),
         )
 
 

@@ -29,11 +29,13 @@ from enrichq_parity.model import (
     RULE_SAMPLE_LIMIT,
     SAMPLE_LIMIT,
     AcceptFile,
+    Coverage,
     DayResult,
     Mismatch,
     ParityReport,
     RuleResult,
     Tally,
+    TenantCoverage,
     TenantResult,
     Thresholds,
     TicketClass,
@@ -62,7 +64,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DEFAULT_WINDOW = timedelta(days=7)
 SHADOW_TABLES = ("enrichq.ticket_orders", "enrichq.ticket_enrichments", "enrichq.queue")
 # Stand in for the warehouse tables when the parity database does not hold them (a BigQuery
 # warehouse): no shadow-only order can then be verified, so each one is unverified.
@@ -114,9 +115,9 @@ def run_parity(
     for name, value in (("since", since), ("until", until), ("now", now)):
         if value is not None and value.tzinfo is None:
             raise ParityInputError(f"{name} must carry a time zone")
-    relations, at = _prepare(read_engine, write_engine, settings, now)
+    relations, at, side = _prepare(read_engine, write_engine, settings, now)
     until = (until or at).astimezone(UTC)
-    since = (since or until - DEFAULT_WINDOW).astimezone(UTC)
+    since = (since or until - timedelta(days=settings.parity_window_days)).astimezone(UTC)
     if since >= until:
         raise ParityInputError(f"the window is empty: since {since:%F %T} ≥ until {until:%F %T}")
     young_after = at - timedelta(
@@ -151,6 +152,9 @@ def run_parity(
                 accept=accept,
                 export=export,
             )
+            with read_engine.begin() as conn:
+                conn.execute(q("parity_read_only"))
+                coverage = read_coverage(conn, relations, young_after)
             report = ParityReport(
                 run_id=run.id,
                 since=since,
@@ -169,9 +173,10 @@ def run_parity(
                 mismatches={c: compared.mismatches[c] for c in DIFFERING},
                 rules=_rule_results(accept, compared),
                 accept_file=accept,
-                sources=_sources(settings, relations),
+                sources={**_sources(settings, relations), "read_side": side.describe(at)},
+                coverage=coverage,
             )
-            return _finish(write_engine, report, log_id, now=now, clock=clock)
+            return _finish(write_engine, report, side, log_id, now=now, clock=clock)
     except BaseException as exc:
         _abandon(write_engine, run.id, log_id, exc)
         raise
@@ -200,15 +205,65 @@ def _rule_results(accept: AcceptFile | None, compared: _Compared) -> tuple[RuleR
     )
 
 
+@dataclass(frozen=True, slots=True)
+class ReadSide:
+    """Where parity read: a standby (and how far its replay was behind) or a primary."""
+
+    standby: bool
+    lag_seconds: float | None
+
+    def describe(self, data_at: datetime) -> str:
+        """In words, for the report."""
+        if not self.standby:
+            return f"the primary, as of {data_at:%Y-%m-%d %H:%M:%S} UTC"
+        return (
+            f"a standby {self.lag_seconds or 0:.1f} s behind: its data is as of "
+            f"{data_at:%Y-%m-%d %H:%M:%S} UTC"
+        )
+
+
+def read_coverage(
+    conn: sa.Connection,
+    relations: Mapping[str, str],
+    young_after: datetime,
+    *,
+    legacy_only: bool = True,
+) -> Coverage:
+    """Every ticket consumers can read, all time: per tenant, what enrichq never enriched;
+    and (`legacy_only`) the legacy tickets the mirror lacks, else counted as none."""
+    statement = render(
+        _queries()["parity_coverage"], tickets=relations["tickets"], legacy=relations["legacy"]
+    )
+    tenants: list[TenantCoverage] = []
+    lacking = lacking_never = 0
+    params = {"young_after": young_after, "legacy_only": legacy_only}
+    for row in conn.execute(statement, params):
+        if row.tenant is None:
+            lacking, lacking_never = int(row.tickets), int(row.not_enriched)
+            continue
+        tenants.append(
+            TenantCoverage(
+                row.tenant,
+                int(row.tickets),
+                int(row.not_enriched),
+                int(row.enriched),
+                int(row.shadow_orders),
+            )
+        )
+    return Coverage(tuple(tenants), lacking, lacking_never)
+
+
 def _prepare(
     read_engine: sa.Engine, write_engine: sa.Engine, settings: Settings, now: datetime | None
-) -> tuple[dict[str, str], datetime]:
-    """Check both sides before anything is written: (quoted relations, the time it is)."""
+) -> tuple[dict[str, str], datetime, ReadSide]:
+    """Check both sides before anything is written: (quoted relations, the time it is,
+    the read side)."""
     with read_engine.connect() as conn:
         relations = _check_relations(conn, settings)
         at: datetime = conn.execute(_queries()("parity_now"), {"now": now}).scalar_one()
-        side = conn.execute(_queries()("parity_read_side")).one()
+        row = conn.execute(_queries()("parity_read_side")).one()
         conn.rollback()
+    side = ReadSide(bool(row.standby), None if row.lag_seconds is None else float(row.lag_seconds))
     if side.standby:
         log.info(
             "parity reads a standby %.1f s behind: tickets are judged as of its last "
@@ -223,7 +278,7 @@ def _prepare(
                 "(run `enrichq migrate` first)"
             )
         conn.rollback()
-    return relations, at
+    return relations, at, side
 
 
 def _sources(settings: Settings, relations: Mapping[str, str]) -> dict[str, str]:
@@ -247,6 +302,7 @@ def _sources(settings: Settings, relations: Mapping[str, str]) -> dict[str, str]
 def _finish(
     engine: sa.Engine,
     report: ParityReport,
+    side: ReadSide,
     log_id: int,
     *,
     now: datetime | None,
@@ -273,6 +329,11 @@ def _finish(
                 "legacy_faults": whole.legacy_faults,
                 "accepted_legacy_faults": whole.accepted_legacy_faults,
                 "passed": report.passed,
+                "data_at": report.now,
+                "replica_lag_seconds": side.lag_seconds,
+                "coverage": json.dumps(
+                    None if report.coverage is None else report.coverage.as_dict()
+                ),
                 "report": json.dumps(report.as_dict()),
             },
         )

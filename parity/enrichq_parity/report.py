@@ -355,6 +355,14 @@ def _footer(report: ParityReport) -> list[tuple[str, str]]:
         ("Shadow table", report.sources.get("shadow", "")),
         ("Tickets table", report.sources.get("tickets", "")),
         ("Shadow-only orders verified against", report.sources.get("verified_against", "")),
+        ("Read", report.sources.get("read_side", "")),
+        (
+            "Not yet enriched (all time)",
+            "—"
+            if report.coverage is None
+            else f"{report.coverage.not_enriched:,} tickets consumers can read"
+            f" ({report.coverage.legacy_only:,} legacy tickets the mirror lacks)",
+        ),
         ("Accept file", "none" if accept is None else f"{accept.path} (sha256 {accept.sha256})"),
         ("Measured at", _plain(report.now)),
         ("Too young after", _plain(report.young_after)),

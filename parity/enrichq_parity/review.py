@@ -17,7 +17,16 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from enrichq_parity.model import Approval, ParityReport, Tally, Thresholds, Verdict, decide, pct
+from enrichq_parity.model import (
+    Approval,
+    ParityReport,
+    Tally,
+    Thresholds,
+    Verdict,
+    decide,
+    failing_tenants,
+    pct,
+)
 from enrichq_schema.db import as_record
 from enrichq_schema.errors import EnrichqError
 from enrichq_schema.process import Exit, say
@@ -77,6 +86,9 @@ class Approved:
     approval: Approval
     changed: bool
     notes: tuple[str, ...]
+    failing: tuple[str, ...] = ()
+    """The tenants that fail on their own figures, each with why: a whole cutover refuses
+    them (shown before the signature)."""
 
 
 def approve(
@@ -137,6 +149,18 @@ def approve(
             f"{unaccepted:,} legacy-fault tickets of this run have no accepted rule: cutover "
             "refuses the tenants they belong to"
         )
+    failing = tuple(
+        f"tenant {tenant or '(no tenant)'} fails on its own figures ({v.reason}): a whole "
+        f"cutover refuses it; move the others with `enrichq cutover --exclude-tenant "
+        f"{tenant or chr(39) * 2}` or `--tenant T`"
+        for tenant, v in failing_tenants(
+            {t["tenant"]: Tally.from_dict(t) for t in run.tenants or ()},
+            Thresholds(
+                run.min_order_coverage, run.max_shadow_fault_rate, run.min_ticket_match_rate
+            ),
+        ).items()
+        if not v.passed
+    )
     latest = conn.execute(q("review_latest_finished")).scalar_one_or_none()
     if latest is not None and latest != run_id:
         notes.append(f"cutover judges the latest finished run, #{latest}, not this one")
@@ -145,8 +169,8 @@ def approve(
             q("review_approval_by"), {"run_id": run_id, "reviewer_key": who.casefold()}
         ).one()
         existing = Approval(run_id, row.approved_by, row.approved_at, row.note)
-        return Approved(existing, False, tuple(notes))
-    return Approved(Approval(run_id, who, inserted.approved_at, text), True, tuple(notes))
+        return Approved(existing, False, tuple(notes), failing)
+    return Approved(Approval(run_id, who, inserted.approved_at, text), True, tuple(notes), failing)
 
 
 def approvals_of(conn: sa.Connection, run_ids: Iterable[int]) -> dict[int, tuple[Approval, ...]]:
@@ -284,6 +308,8 @@ def approve_cli(settings: Settings, url: str, *, run_id: int, by: str, note: str
     finally:
         engine.dispose()
     a = done.approval
+    for line in done.failing:
+        print(f"note: {line}")
     if done.changed:
         print(f"approved parity run #{run_id} by {a.approved_by} at {utc_time(a.approved_at)} UTC")
     else:

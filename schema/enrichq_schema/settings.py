@@ -53,6 +53,7 @@ PARITY_MIN_ORDER_COVERAGE_DEFAULT = 0.995
 PARITY_MIN_TICKET_MATCH_RATE_DEFAULT = 0.99
 PARITY_MAX_SHADOW_FAULT_RATE_DEFAULT = 0.005
 PARITY_MAX_AGE_HOURS_DEFAULT = 24
+PARITY_WINDOW_DAYS_DEFAULT = 7
 PRIORITY_AGING_SECONDS_DEFAULT = 600
 EVENT_DEDUPE_HOURS_DEFAULT = 24
 EVENT_DEDUPE_HOURS_MAX = 24 * 90
@@ -239,7 +240,14 @@ class Settings(BaseSettings):
     parity_max_shadow_fault_rate: Fraction = PARITY_MAX_SHADOW_FAULT_RATE_DEFAULT
     """Parity pass bar: tickets that are enrichq's fault / tickets compared."""
     parity_max_age_hours: Hours = PARITY_MAX_AGE_HOURS_DEFAULT
-    """Cutover needs a younger run."""
+    """Cutover needs a run whose window ends, and whose data is, younger than this."""
+    parity_window_days: float = Field(
+        default=PARITY_WINDOW_DAYS_DEFAULT,
+        gt=0,
+        le=366,
+        allow_inf_nan=False,
+        description="Parity's default window; cutover needs a run over at least this long.",
+    )
     parity_concurrency: int = Field(
         default=2, ge=1, le=16, description="Days parity compares at once, a connection each."
     )

@@ -24,6 +24,9 @@ class Kind(StrEnum):
 
     ENRICH = "enrich"
     REFRESH = "refresh"
+    BACKFILL = "backfill"
+    """A ticket consumers can read that enrichq never enriched (`enrichq backfill`): served
+    after every other kind, never aged up."""
 
 
 class Reason(StrEnum):
@@ -52,6 +55,7 @@ class AuditCommand(StrEnum):
     DLQ_REDRIVE = "dlq redrive"
     PAUSE = "pause"
     RESUME = "resume"
+    BACKFILL = "backfill"
 
 
 class Outcome(StrEnum):
@@ -114,3 +118,8 @@ class PoolMode(StrEnum):
 
     SESSION = "session"  # one server session per connection: direct, or session pooling
     TRANSACTION = "transaction"  # a server session per transaction: PgBouncer transaction mode
+
+
+BACKFILL_PRIORITY = min(PLAN_PRIORITY.values()) - 1
+"""The level of backfill work in the claim order (the claim's SQL spells it -1): below every
+plan, never aged up."""

@@ -96,6 +96,9 @@ queue = sa.Table(
     _created_at(),
     _at("updated_at", server_default=_now()),
     _at("finished_at", nullable=True),
+    # When an event last merged into this row while it was queued: an operator's cancel
+    # leaves a row that new work merged into after the cancel began (the work survives).
+    _at("merged_at", nullable=True),
     sa.CheckConstraint(_one_of("state", State), name="state_known"),
     sa.CheckConstraint(_one_of("reason", Reason), name="reason_known"),
     sa.CheckConstraint(f"char_length(key) BETWEEN 1 AND {KEY_MAX_LENGTH}", name="key_length"),
@@ -119,8 +122,8 @@ queue = sa.Table(
     ),
     # Merge: one queued row per (kind, key); a second enqueue is a no-op.
     sa.Index(QUEUED_KEY_INDEX, "kind", "key", unique=True, postgresql_where=sa.text(QUEUED)),
-    # Claim: per kind and tenant, visible rows oldest first. The tenant column lets a claim
-    # walk the distinct tenants with a loose index scan instead of sorting the backlog.
+    # Claim: per kind and tenant, visible rows oldest first: the claim reads a pair's rows
+    # (its head says which pairs) and the head refresh finds a pair's oldest row by it.
     sa.Index(
         "queue_claim_idx",
         "kind",
@@ -152,6 +155,9 @@ queue = sa.Table(
     ),
     # Dead-letter listing and redrive by reason.
     sa.Index("queue_dead_reason_idx", "dead_reason", "id", postgresql_where=sa.text(DEAD)),
+    # The dlq verbs by ticket (`--key`), and their selection walked in pages, a ticket's
+    # dead letters together (the newest of each is the one a redrive queues again).
+    sa.Index("queue_dead_key_idx", "key", "kind", "id", postgresql_where=sa.text(DEAD)),
     # Refresh: has the queue given up on this ticket since its last enrichment?
     sa.Index("queue_given_up_key_idx", "key", "id", postgresql_where=sa.text(GIVEN_UP)),
     # The queue table churns: vacuum it early and often so dead tuples never pile up.
@@ -186,6 +192,38 @@ tenant_served = sa.Table(
     sa.Column("served", sa.BigInteger, nullable=False),
     # Retention drops old buckets of every tenant without reading the others.
     sa.Index("tenant_served_bucket_idx", "bucket"),
+)
+
+# One row per (kind, tenant) that has had queued work: where the claim starts, so its cost
+# follows the batch, not the number of tenants with queued rows (issue 26). Kept by the
+# queue's own triggers (migration 0010: any statement that queues a row makes or lowers its
+# pair's head, so `oldest` is never after any queued row of the pair) and by the claim,
+# which re-evaluates the heads that are due (`due_at`: visible, one aging step further, a
+# served hour leaving the day, or a periodic look) and the pairs it took rows from.
+# `behind` (levels below the top plan's; NULL: nothing visible), `served` (claims of the
+# last day) and `oldest` are the claim order's terms as of that evaluation, all ascending,
+# so the claim walks the order index one entry at a time; ownerless work is tenant ''.
+queue_heads = sa.Table(
+    "queue_heads",
+    metadata,
+    sa.Column("kind", sa.Text, primary_key=True),
+    sa.Column("tenant", sa.Text, primary_key=True),
+    _at("oldest"),
+    sa.Column("behind", sa.SmallInteger),
+    sa.Column("served", sa.BigInteger, nullable=False, server_default="0"),
+    _at("due_at"),
+    # The claim order: the pairs with visible work, best first; read a few entries a claim.
+    sa.Index(
+        "queue_heads_order_idx",
+        "behind",
+        "served",
+        "oldest",
+        "kind",
+        "tenant",
+        postgresql_where=sa.text("behind IS NOT NULL"),
+    ),
+    # The heads to evaluate again, soonest first.
+    sa.Index("queue_heads_due_idx", "due_at"),
 )
 
 # Terminal rows by kind, state and dead reason ('' when none), counted by the sweeper leader
@@ -342,6 +380,13 @@ parity_runs = sa.Table(
     # and the SHA-256 of its bytes, so a reviewer can tell which file was signed.
     sa.Column("accept_rules", sa.Integer, nullable=False, server_default="0"),
     sa.Column("accept_sha256", sa.Text),
+    # What the run read (migration 0013): the time its data is as of (a standby's last
+    # replayed commit), how far that standby's replay was behind, and, per tenant, what the
+    # shadow table held and how many tickets consumers can read that enrichq never enriched
+    # (the gate checks them again at cutover time).
+    _at("data_at", nullable=True),
+    sa.Column("replica_lag_seconds", sa.Float),
+    sa.Column("coverage", pg.JSONB),
     sa.CheckConstraint(
         "accepted_legacy_faults BETWEEN 0 AND legacy_faults", name="accepted_within_faults"
     ),

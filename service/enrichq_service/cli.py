@@ -17,6 +17,7 @@ import click
 from enrichq_schema.errors import SettingsError
 from enrichq_schema.process import Exit, fail, say
 from enrichq_schema.states import AuditCommand, DeadReason, Kind, Reason
+from enrichq_service.cli_support import ROW_ID
 
 if TYPE_CHECKING:
     from enrichq_schema.settings import Settings
@@ -327,9 +328,7 @@ def stacked(options: Sequence[Decorator]) -> Decorator:
 def filter_options(reasons: list[str], reason_help: str, older_help: str) -> Decorator:
     """The options every filtered action takes (enrichq_sweeper.filters reads them)."""
     options = [
-        click.option(
-            "--id", "ids", type=click.IntRange(min=1), multiple=True, help="Row id (repeat)."
-        ),
+        click.option("--id", "ids", type=ROW_ID, multiple=True, help="Row id (repeat)."),
         click.option("--key", "keys", multiple=True, help="Ticket id (repeat)."),
         click.option("--tenant", default=None, help="Brand or account."),
         click.option("--kind", type=click.Choice([k.value for k in Kind]), default=None),
@@ -342,6 +341,10 @@ def filter_options(reasons: list[str], reason_help: str, older_help: str) -> Dec
     ]
     return stacked(options)
 
+
+YES_OPTION = click.option(
+    "--yes", is_flag=True, help="With --all on a terminal: do not ask for confirmation."
+)
 
 # The filter of cancel (queued and leased rows), and of dlq redrive and discard.
 open_row_filter = filter_options(
@@ -361,25 +364,52 @@ def _control(
     command: str,
     options: dict[str, Any],
 ) -> None:
-    """Parse the filter (bad input: one line, exit 2, before any connection), then act."""
+    """Parse the filter (bad input: one line, exit 2, before any connection), then act:
+    `--all` asks for confirmation on a terminal (cancel, discard; --yes skips it), and a run
+    of more than one batch shows its progress on stderr."""
     from enrichq_schema.audit import AuditInputError, check_actor, default_actor
     from enrichq_schema.states import AuditCommand
-    from enrichq_sweeper.controls import SCOPE_OF, run_cli
+    from enrichq_service.cli_support import Progress, confirm_every_row, unpadded
+    from enrichq_sweeper.common import DEFAULT_BATCH_SIZE
+    from enrichq_sweeper.controls import SCOPE_OF, ActionResult, run_cli
     from enrichq_sweeper.errors import FilterError
     from enrichq_sweeper.filters import Filter
 
     action = AuditCommand(command)
-    # what is not how to act (--actor, --dry-run, --json) is the filter's criteria
+    # what is not how to act (--actor, --dry-run, --json, --yes) is the filter's criteria
     criteria = dict(options)
     actor, dry_run, as_json = (criteria.pop(name) for name in ("actor", "dry_run", "as_json"))
+    yes = bool(criteria.pop("yes", False))
+    unpadded(command, "--tenant", criteria["tenant"])
     try:
         flt = Filter.build(SCOPE_OF[action], **criteria)
         actor = check_actor(actor or default_actor())
     except (FilterError, AuditInputError) as exc:
         fail(f"{command}: {exc}")
+    ask = confirm_every_row(command, yes=yes) if flt.all_rows and "yes" in options else None
+    progress = Progress(command, batch_size=DEFAULT_BATCH_SIZE)
+
+    def before(would: ActionResult) -> bool:
+        if ask is not None and not ask(would):
+            return False
+        progress.start(would)
+        return True
+
     settings = ctx.settings
     with ctx.database() as url:
-        run_cli(settings, url, action, flt, actor=actor, dry_run=dry_run, as_json=as_json)
+        run_cli(
+            settings,
+            url,
+            action,
+            flt,
+            actor=actor,
+            dry_run=dry_run,
+            as_json=as_json,
+            batch_size=DEFAULT_BATCH_SIZE,
+            confirm=before,
+            on_batch=progress.batch,
+            on_end=progress.stop,
+        )
 
 
 @dlq.command("redrive", epilog=FILTER_HELP)
@@ -396,6 +426,7 @@ def dlq_redrive(ctx: Context, /, **options: Any) -> None:
 
 @dlq.command("discard", epilog=FILTER_HELP)
 @dead_letter_filter
+@YES_OPTION
 @pass_context
 def dlq_discard(ctx: Context, /, **options: Any) -> None:
     """Delete dead letters matching FILTER (for good: there is no undo)."""
@@ -404,6 +435,7 @@ def dlq_discard(ctx: Context, /, **options: Any) -> None:
 
 @cli.command(epilog=FILTER_HELP)
 @open_row_filter
+@YES_OPTION
 @pass_context
 def cancel(ctx: Context, /, **options: Any) -> None:
     """Cancel queued and leased rows matching FILTER: they become dead letters (cancelled).
@@ -422,8 +454,10 @@ ENRICHQ_POLL_SECONDS), with no restart. `enrichq status` lists the pauses in pla
 
 
 def _pause_scope(command: str, kind: str | None, tenant: str | None) -> Any:
+    from enrichq_service.cli_support import unpadded
     from enrichq_sweeper.pauses import PauseError, Scope
 
+    unpadded(command, "--tenant", tenant)
     try:
         return Scope.build(kind=kind, tenant=tenant)
     except PauseError as exc:
@@ -534,7 +568,10 @@ def _parse_day(value: str | None, name: str) -> Any:
 
 
 @cli.group(invoke_without_command=True)
-@click.option("--since", help="Start of the window (YYYY-MM-DD or ISO time, UTC); default 7 days.")
+@click.option(
+    "--since",
+    help="Start of the window (YYYY-MM-DD or ISO time, UTC); default ENRICHQ_PARITY_WINDOW_DAYS.",
+)
 @click.option("--until", help="End of the window (exclusive); default now.")
 @click.option("--json", "json_path", type=REPORT_FILE, help="Write the JSON report.")
 @click.option(
@@ -635,6 +672,12 @@ def parity_show(ctx: Context, run_id: int, json_path: Path | None, html_path: Pa
     help="Move only this tenant (repeat): a staged cutover. Default: every tenant.",
 )
 @click.option(
+    "--exclude-tenant",
+    "exclude",
+    multiple=True,
+    help="Move every tenant but this one (repeat); it stays on the legacy rows.",
+)
+@click.option(
     "--status", "show_status", is_flag=True, help="Per tenant: what consumers read, since when."
 )
 @click.option("--json", "as_json", is_flag=True, help="With --status: print JSON.")
@@ -654,14 +697,19 @@ def cutover(
     *,
     rollback: bool,
     tenants: tuple[str, ...],
+    exclude: tuple[str, ...],
     show_status: bool,
     as_json: bool,
     actor: str | None,
     wait_seconds: float,
 ) -> None:
-    """Point consumers at the shadow table, after a passing, fresh and approved parity run."""
-    if show_status and (rollback or tenants or actor is not None):
+    """Point consumers at the shadow table, after a passing, fresh and approved parity run
+    that every tenant moved passes on its own, once no ticket consumers can read is still
+    never enriched (`enrichq backfill`)."""
+    if show_status and (rollback or tenants or exclude or actor is not None):
         fail("cutover: --status only shows the state; it takes no --rollback, --tenant or --actor")
+    if exclude and (tenants or rollback):
+        fail("cutover: --exclude-tenant goes with a whole cutover, not --tenant or --rollback")
     if as_json and not show_status:
         fail("cutover: --json goes with --status")
     from enrichq_parity.cutover import run_cli
@@ -675,9 +723,56 @@ def cutover(
                 rollback=rollback,
                 actor=actor,
                 tenants=tenants,
+                exclude=exclude,
                 show_status=show_status,
                 as_json=as_json,
                 wait_seconds=wait_seconds,
+            )
+        )
+
+
+@cli.command()
+@click.option("--tenant", default=None, help="Only this tenant's tickets ('' = no tenant).")
+@click.option("--since", default=None, help="Only tickets created since (YYYY-MM-DD or ISO).")
+@click.option("--dry-run", is_flag=True, help="Count what would be enqueued; change nothing.")
+@click.option(
+    "--page-size", type=click.IntRange(min=1, max=100_000), default=1000, show_default=True
+)
+@ACTOR_OPTION
+@pass_context
+def backfill(
+    ctx: Context,
+    *,
+    tenant: str | None,
+    since: str | None,
+    dry_run: bool,
+    page_size: int,
+    actor: str | None,
+) -> None:
+    """Enqueue every ticket consumers can read that enrichq never enriched (before cutover).
+
+    Walks the help desk's mirror (and, with no --tenant, the tickets with legacy rows the
+    mirror lacks) a page at a time; each ticket without an enrichment or an open queue row
+    gets a `backfill` row, served after all other work, within the bytes budget and the
+    warehouse cap. Audited; `enrichq status` shows the backfill rows by state.
+    """
+    settings = ctx.settings
+    since_at = _parse_day(since, "--since")
+    if tenant is not None and (len(tenant) > 200 or not tenant.isprintable()):
+        fail(f"backfill: --tenant {tenant!r}: expected at most 200 printable characters")
+    who = _actor("backfill", actor)
+    from enrichq_service.backfill_command import run_backfill
+
+    with ctx.database() as url:
+        sys.exit(
+            run_backfill(
+                settings,
+                url,
+                tenant=tenant,
+                since=since_at,
+                dry_run=dry_run,
+                page_size=page_size,
+                actor=who,
             )
         )
 

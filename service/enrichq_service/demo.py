@@ -4,8 +4,10 @@ Seeds a help desk, a warehouse and a legacy output with realistic imperfections 
 database of its own (``enrichq_demo``, recreated each run), runs ``serve`` in shadow mode
 with shortened delays, posts every ticket as a signed webhook event, lets the worker
 enrich them, runs the sweeper once, and then walks the review of docs/cutover.md: a
-parity run, an accept file for the legacy flow's known losses, a second run that passes,
-its approval, the cutover of one tenant and the cutover status.
+backfill of the tickets from before the shadow run (no event ever reached enrichq for
+them), a parity run, an accept file for the legacy flow's known losses, a second run that
+passes, its approval, the cutover of one tenant, the cutover status, and a check that
+consumers of that tenant still read every ticket they read before.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ EVENTS_PER_REQUEST = 100
 REPORT_DIR = Path("enrichq-demo-report")
 DEMO_REVIEWER = "demo-reviewer"
 DEMO_TENANT = "acme"
+HISTORY_SHARE = 5
+"""One ticket in this many was created before the shadow run began: legacy rows only."""
+HISTORY_AGE = timedelta(days=30)
+PARITY_WINDOW_DAYS = 3
 # The accept file the demo's reviewer writes after reading the first report: the seeded
 # legacy flow's known losses, for the days the demo's tickets were created on.
 ACCEPT_FILE = '''\
@@ -101,6 +107,8 @@ def run_demo(  # noqa: PLR0915 -- the demo is one story, told in order
             "poll_seconds": 0.5,
             "webhook_secret": SecretStr(secret),
             "parity_grace_seconds": 60.0,
+            # the demo's tickets span two days: its parity window is three
+            "parity_window_days": float(PARITY_WINDOW_DAYS),
         }
     )
     wiring = contextlib.ExitStack()
@@ -108,14 +116,22 @@ def run_demo(  # noqa: PLR0915 -- the demo is one story, told in order
     engine = engines.queue
     with engine.begin() as conn:
         world = seed.seed_world(conn, tickets=tickets)
+        history = _make_history(conn, tickets // HISTORY_SHARE)
         ticket_rows = conn.execute(
-            sa.text("SELECT id, tenant, created_at FROM helpdesk.tickets ORDER BY created_at")
+            sa.text(
+                "SELECT id, tenant, created_at FROM helpdesk.tickets"
+                " WHERE NOT (id = ANY(CAST(:history AS text[]))) ORDER BY created_at"
+            ),
+            {"history": history},
         ).all()
+    # what parity over the recent days will find: the history is outside its window
+    expected = world.expected_without(history)
     console.print(
         f"seeded {world.tickets:,} tickets and their legacy output ({world.legacy_orders:,} "
         f"legacy orders): the legacy flow lost {world.legacy_lost} tickets and saved "
         f"{world.legacy_partial} in part, and {world.late_orders} orders were placed after its "
-        f"lookup; parity should find {_classes(world.expected)}",
+        f"lookup; {len(history)} tickets are from before the shadow run (legacy rows only); "
+        f"parity over the recent days should find {_classes(expected)}",
         highlight=False,
     )
 
@@ -157,12 +173,24 @@ def run_demo(  # noqa: PLR0915 -- the demo is one story, told in order
             f"{refreshed} refreshes enqueued"
         )
         REPORT_DIR.mkdir(exist_ok=True)
-        review = _review(demo, demo_url, console, world.expected)
+        before = _consumer_tickets(engine, DEMO_TENANT)
+        _backfill(demo, demo_url, engine, console)
+        review = _review(demo, demo_url, console, expected)
+        after = _consumer_tickets(engine, DEMO_TENANT)
+        lost = before - after
+        console.print(
+            f"consumers of tenant {DEMO_TENANT}: {len(before)} tickets with orders before the "
+            f"cutover, {len(after)} after; "
+            + ("none lost" if not lost else f"[red]{len(lost)} LOST[/]: {sorted(lost)[:5]}")
+        )
+        if lost:
+            return 1
         metrics_url = f"{server.url}/metrics"
         console.print(
             Panel.fit(
-                f"[bold]{len(ticket_rows)} tickets[/] enriched in shadow mode, reviewed and one "
-                f"tenant cut over in {time.monotonic() - started:.0f} s\n"
+                f"[bold]{len(ticket_rows)} tickets[/] enriched in shadow mode and "
+                f"{len(history)} older ones backfilled, reviewed and one tenant cut over in "
+                f"{time.monotonic() - started:.0f} s, no ticket lost to its consumers\n"
                 f"parity run #{review.first_run}: {review.first_state}; the differences are "
                 "the legacy flow's lost and partial tickets\n"
                 f"parity run #{review.second_run} with {review.accept_file}: "
@@ -190,6 +218,80 @@ def run_demo(  # noqa: PLR0915 -- the demo is one story, told in order
         server.stop()
         wiring.close()
     return 0
+
+
+def _make_history(conn: sa.Connection, n: int) -> list[str]:
+    """Move `n` tickets (every HISTORY_SHARE-th) and their legacy rows HISTORY_AGE back:
+    tickets created before the shadow run, which enrichq never hears of. Their ids."""
+    ids: list[str] = list(
+        conn.execute(
+            sa.text("SELECT id FROM helpdesk.tickets ORDER BY id LIMIT :n * :share"),
+            {"n": n, "share": HISTORY_SHARE},
+        ).scalars()
+    )[::HISTORY_SHARE][:n]
+    shift = {"ids": ids, "age": HISTORY_AGE}
+    conn.execute(
+        sa.text(
+            "UPDATE helpdesk.tickets SET created_at = created_at - :age,"
+            " updated_at = updated_at - :age WHERE id = ANY(CAST(:ids AS text[]))"
+        ),
+        shift,
+    )
+    conn.execute(
+        sa.text(
+            "UPDATE legacy.ticket_orders SET looked_up_at = looked_up_at - :age"
+            " WHERE ticket_id = ANY(CAST(:ids AS text[]))"
+        ),
+        shift,
+    )
+    return ids
+
+
+def _consumer_tickets(engine: sa.Engine, tenant: str) -> set[str]:
+    """The tickets of `tenant` consumers read orders for (the view, or before it exists the
+    legacy table it will start on)."""
+    from enrichq_parity.cutover import VIEW
+
+    with engine.connect() as conn:
+        exists = conn.execute(sa.text("SELECT to_regclass(:v)"), {"v": VIEW}).scalar()
+        rows = conn.execute(
+            _READ_VIEW if exists is not None else _READ_LEGACY, {"tenant": tenant}
+        ).scalars()
+        return set(rows)
+
+
+_READ_VIEW = sa.text(
+    "SELECT DISTINCT o.ticket_id FROM enrichq_public.ticket_orders AS o"
+    " JOIN helpdesk.tickets AS t ON t.id = o.ticket_id WHERE t.tenant = :tenant"
+)
+_READ_LEGACY = sa.text(
+    "SELECT DISTINCT o.ticket_id FROM legacy.ticket_orders AS o"
+    " JOIN helpdesk.tickets AS t ON t.id = o.ticket_id WHERE t.tenant = :tenant"
+)
+
+
+def _backfill(demo: Settings, demo_url: str, engine: sa.Engine, console: Any) -> None:
+    """Step 1b of docs/cutover.md: backfill, then wait for the worker to drain it."""
+    from enrichq_service.backfill_command import run_backfill
+
+    console.rule("backfill: tickets from before the shadow run")
+    run_backfill(
+        demo, demo_url, tenant=None, since=None, dry_run=False, page_size=1000,
+        actor=DEMO_REVIEWER,
+    )  # fmt: skip
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        with engine.connect() as conn:
+            left = conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM enrichq.queue"
+                    " WHERE kind = 'backfill' AND state IN ('queued', 'leased')"
+                )
+            ).scalar_one()
+        if left == 0:
+            break
+        time.sleep(0.2)
+    console.print("backfill drained: every ticket consumers can read is enriched")
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,7 +341,7 @@ def _review(demo: Settings, demo_url: str, console: Any, expected: Mapping[str, 
             engine.dispose()
 
     now = datetime.now(UTC)
-    since = now - timedelta(days=3)
+    since = now - timedelta(days=PARITY_WINDOW_DAYS)
     first_html = REPORT_DIR / "parity-first.html"
     console.rule("parity, before review")
     run_parity(

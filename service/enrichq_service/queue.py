@@ -26,6 +26,7 @@ from enrichq_schema.states import (
     KEY_MAX_LENGTH,
     NOTIFY_CHANNEL,
     OWNERLESS_PRIORITY,
+    PLAN_PRIORITY,
     Kind,
     Outcome,
     Reason,
@@ -43,6 +44,14 @@ PAYLOAD_MAX_BYTES = 64 * 1024
 # pg_locks shows them as classid 0x656E7271, objid the key's hashtext.
 KEY_LOCK_SPACE = 0x656E7271
 ALL_KINDS: tuple[str, ...] = tuple(k.value for k in Kind)
+# Where aging stops: the top plan's level, where rows that waited long enough meet.
+TOP_PRIORITY = max(PLAN_PRIORITY.values())
+# The claim-order heads one claim evaluates at most besides the pairs it took rows from
+# (when many pairs fall due at once, a few claims share the work).
+HEADS_DUE_BATCH = 500
+# Every head is looked at again after about this long (half to all of it, at random), so a
+# plan change or a head no claim could move yet counts within minutes.
+HEADS_RECHECK_SECONDS = 300.0
 
 
 class QueueInputError(ServiceError):
@@ -228,25 +237,57 @@ def claim(
     """
     if limit <= 0:
         return []
+    kinds = list(kinds)
+    refresh_heads(conn, kinds=kinds, pairs=(), aging_seconds=aging_seconds, now=now)
     rows = conn.execute(
         SQL("queue_claim_batch"),
         {
-            "kinds": list(kinds),
+            "kinds": kinds,
             "owner": owner,
             "limit": limit,
             "lease_seconds": float(lease_seconds),
-            "aging_seconds": float(aging_seconds),
-            "middle_priority": OWNERLESS_PRIORITY,
             "key_lock_space": KEY_LOCK_SPACE,
             "now": now,
         },
     ).all()
     jobs = [as_record(Job, r) for r in rows]
+    if jobs:
+        # their oldest rows and their served counts moved: evaluated now, not when next due
+        pairs = sorted({(j.kind, j.tenant or "") for j in jobs})
+        refresh_heads(conn, kinds=kinds, pairs=pairs, aging_seconds=aging_seconds, now=now)
     for kind in {j.kind for j in jobs}:
         n = sum(j.kind == kind for j in jobs)
         metrics.claims_total.labels(kind).inc(n)
         metrics.claim_batch_size.labels(kind).observe(n)
     return jobs
+
+
+def refresh_heads(
+    conn: sa.Connection,
+    *,
+    kinds: Sequence[str],
+    pairs: Sequence[tuple[str, str]],
+    aging_seconds: float,
+    now: datetime | None = None,
+) -> int:
+    """Evaluate the claim-order heads of `pairs` (kind, tenant or '') and the due heads of
+    `kinds` again (never waiting for one another transaction holds); how many it did."""
+    return int(
+        conn.execute(
+            SQL("queue_heads_refresh"),
+            {
+                "kinds": list(kinds),
+                "pair_kinds": [k for k, _ in pairs],
+                "pair_tenants": [t for _, t in pairs],
+                "aging_seconds": float(aging_seconds),
+                "top_priority": TOP_PRIORITY,
+                "middle_priority": OWNERLESS_PRIORITY,
+                "due_batch": HEADS_DUE_BATCH,
+                "recheck_seconds": HEADS_RECHECK_SECONDS,
+                "now": now,
+            },
+        ).scalar_one()
+    )
 
 
 def heartbeat(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -34,9 +34,19 @@ class WorldSummary:
     late_orders: int
     no_orders: int
     unknown_requester: int
-    expected: Mapping[str, int] = field(default_factory=dict)
-    """Tickets per parity class (TicketClass values) once enrichq has enriched every ticket:
-    what the demo's first parity run must find."""
+    expected_classes: Mapping[str, str] = field(default_factory=dict)
+    """Each ticket's parity class (a TicketClass value) once enrichq has enriched every
+    ticket: what the demo's first parity run must find."""
+
+    @property
+    def expected(self) -> dict[str, int]:
+        """Tickets per parity class once enrichq has enriched every ticket."""
+        return dict(Counter(self.expected_classes.values()))
+
+    def expected_without(self, left_out: Iterable[str]) -> dict[str, int]:
+        """Tickets per parity class, leaving out the tickets `left_out` (outside a window)."""
+        gone = set(left_out)
+        return dict(Counter(c for t, c in self.expected_classes.items() if t not in gone))
 
     @property
     def legacy_orders(self) -> int:
@@ -85,7 +95,7 @@ def seed_world(
     ticket_rows: list[dict[str, object]] = []
     legacy_rows: list[dict[str, object]] = []
     lost = partial = late = empty = unknown = 0
-    expected: Counter[str] = Counter()
+    expected: dict[str, str] = {}
     written: dict[str, tuple[str | None, set[str], datetime]] = {}
     late_of: dict[str, list[dict[str, object]]] = {}
     for t in range(tickets):
@@ -136,9 +146,9 @@ def seed_world(
         )
     # What parity will call each ticket once enrichq has looked every one up (after this
     # seed: every order of its customer, late ones included, other tickets' late orders too).
-    for cid, legacy, looked_up in written.values():
+    for tid, (cid, legacy, looked_up) in written.items():
         shadow = [*orders_of.get(cid, []), *late_of.get(cid, [])] if cid else []
-        expected[_expected_class(shadow, legacy, looked_up)] += 1
+        expected[tid] = _expected_class(shadow, legacy, looked_up)
     conn.execute(SQL("seed_insert_customers"), cust_rows)
     if order_rows:
         conn.execute(SQL("seed_insert_orders"), order_rows)
@@ -155,7 +165,7 @@ def seed_world(
         late_orders=late,
         no_orders=empty,
         unknown_requester=unknown,
-        expected=dict(expected),
+        expected_classes=expected,
     )
 
 

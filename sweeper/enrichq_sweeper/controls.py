@@ -1,17 +1,21 @@
 """Operator controls: cancel, dlq discard and dlq redrive by one filter (DESIGN §3).
 
-An action reads the ids its `Filter` matches once (in the queue's lock order), then works
-them in batches of `batch_size`, each in a transaction of its own, so a large action never
-holds thousands of row locks for long nor keeps one transaction open for minutes. Each
-batch checks its rows against the filter again under the lock: a row that changed since
-(a worker settled it, someone else redrove it) is acted on only if it still matches. Rows
-that start to match after the action began are not included: run it again (or pause
-first) to catch work that keeps arriving.
+An action reads the ids its `Filter` matches once, in pages of short statements inside one
+read-only snapshot (so no statement grows with the number of matches, and the statement
+timeout bounds each page, not the whole selection), then works them in batches of
+`batch_size`, each in a transaction of its own, so a large action never holds thousands of
+row locks for long nor keeps one transaction open for minutes. Each batch checks its rows
+against the filter again under the lock: a row that changed since (a worker settled it,
+someone else redrove it) is acted on only if it still matches. Rows that start to match
+after the action began are not included: run it again (or pause first) to catch work that
+keeps arriving. Work that arrives for a selected row survives too: a cancel keeps a queued
+row that an event merged into after the action began.
 
 The action is recorded in the audit log: its row is opened before the first batch and each
 batch adds its rows in its own transaction, so the audit row always says what was
-committed; an interrupted action keeps no finish time. A dry run reads the same selection,
-prints its count and a sample, and records and changes nothing.
+committed; an interrupted action keeps no finish time. A dry run reads the same selection
+and says what the action would do to it (for a redrive: how many would be queued again and
+how many merged), with a sample, and records and changes nothing.
 
 - cancel: queued and leased rows → dead_letter (dead reason `cancelled`). A cancelled
   leased row leaves `leased`, so its worker's heartbeat reports it lost and its settle is
@@ -25,12 +29,14 @@ prints its count and a sample, and records and changes nothing.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from array import array
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
+import sqlalchemy.exc as sa_exc
 
 from enrichq_schema import audit
 from enrichq_schema.process import Exit, fail
@@ -43,12 +49,17 @@ from enrichq_sweeper.common import (
     retry_races,
     set_statement_timeout,
 )
-from enrichq_sweeper.errors import FilterError
+from enrichq_sweeper.errors import FilterError, SweeperError
 from enrichq_sweeper.filters import Filter, Scope
 
 SAMPLE_SIZE = 10
 TIME_FORMAT = "%Y-%m-%d %H:%M:%SZ"
 MISSING_IDS_SHOWN = 20
+# Rows per page of a selection: each page is one statement reading about this many rows.
+SELECT_PAGE_SIZE = 10_000
+# Dead letters per statement when a dry run counts what a redrive would queue again.
+PREVIEW_CHUNK = 10_000
+QUERY_CANCELED = "57014"  # SQLSTATE of a statement stopped by statement_timeout
 
 SCOPE_OF = {
     AuditCommand.CANCEL: Scope.OPEN,
@@ -57,11 +68,12 @@ SCOPE_OF = {
 }
 # What each action's rows counts are called, in the order they are printed.
 COUNTS = {
-    AuditCommand.CANCEL: ("queued", "leased"),
+    AuditCommand.CANCEL: ("queued", "leased", "kept"),
     AuditCommand.DLQ_DISCARD: ("discarded",),
     AuditCommand.DLQ_REDRIVE: ("redriven", "merged"),
 }
-# The counts that are rows changed (a merged dead letter stays as it is).
+# The counts that are rows changed (a merged dead letter stays as it is, and so does a
+# queued row a cancel kept because new work merged into it after the cancel began).
 CHANGED = {"queued", "leased", "discarded", "redriven"}
 
 
@@ -72,13 +84,16 @@ def sql() -> Queries:
 
 @dataclass(frozen=True, slots=True)
 class Selection:
-    """What a filter matched when the action started: ids in lock order."""
+    """What a filter matched when the action started: ids in page order (open scope: the
+    queued rows, then the leased ones; dead scope: a ticket's dead letters together)."""
 
-    ids: tuple[int, ...]
+    ids: Sequence[int]
     # dead scope: for each id, the newest matching id of its (kind, key)
-    winners: tuple[int, ...] = ()
+    winners: Sequence[int] = ()
     # open scope: how many were queued and how many leased
     states: Mapping[str, int] = field(default_factory=dict)
+    # the database clock when the selection was read: work merged in since survives
+    started: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,14 +130,36 @@ class ActionResult:
 
     @property
     def affected(self) -> int:
-        """Rows the action changed."""
+        """Rows the action changed (in a dry run: would change)."""
         return sum(n for name, n in self.counts.items() if name in CHANGED)
 
 
-def select(conn: sa.Connection, flt: Filter, *, now: datetime | None = None) -> Selection:
-    """The rows `flt` matches now, in lock order. FilterError when a `--id` is not in the
-    filter's scope at all (a typo guard: a wrong id is named, nothing is done)."""
-    params = {**flt.params(), "now": now}
+class ActionStopped(SweeperError):
+    """The action stopped before its last batch; the batches committed before stay done."""
+
+    def __init__(self, done: ActionResult, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.done = done
+        self.cause = cause
+
+    @property
+    def timed_out(self) -> bool:
+        """Whether a statement ran past the statement timeout (not a lost database)."""
+        return getattr(getattr(self.cause, "orig", None), "sqlstate", None) == QUERY_CANCELED
+
+
+def select(
+    conn: sa.Connection,
+    flt: Filter,
+    *,
+    now: datetime | None = None,
+    page_size: int = SELECT_PAGE_SIZE,
+) -> Selection:
+    """The rows `flt` matches now, read in pages of `page_size` (the caller's transaction:
+    `run` reads every page in one REPEATABLE READ snapshot). FilterError when a `--id` is
+    not in the filter's scope at all (a typo guard: a wrong id is named, nothing is done)."""
+    if page_size < 1:
+        raise ValueError("page_size must be at least 1")
     if flt.ids:
         in_scope = "controls_open_ids" if flt.scope is Scope.OPEN else "controls_dead_ids"
         found = {r.id for r in conn.execute(sql()(in_scope), {"ids": list(flt.ids)})}
@@ -133,11 +170,62 @@ def select(conn: sa.Connection, flt: Filter, *, now: datetime | None = None) -> 
             more = f" (+{extra} more)" if extra > 0 else ""
             what = "queued or leased" if flt.scope is Scope.OPEN else "dead letters"
             raise FilterError(f"not {what}: {listed}{more}")
+    started = conn.execute(sql()("controls_clock"), {"now": now}).scalar_one()
+    params = {**flt.params(), "now": now, "page_size": page_size}
     if flt.scope is Scope.OPEN:
-        row = conn.execute(sql()("controls_select_open"), params).one()
-        return Selection(tuple(row.ids), states={"queued": row.queued, "leased": row.leased})
-    row = conn.execute(sql()("controls_select_dead"), params).one()
-    return Selection(tuple(row.ids), winners=tuple(row.winners))
+        ids = array("q")
+        for page in _pages(conn, "controls_page_queued", params, ("kind", "key")):
+            ids.extend(page.ids)
+        queued = len(ids)
+        for page in _pages(conn, "controls_page_leased", params, ("key",)):
+            ids.extend(page.ids)
+        states = {"queued": queued, "leased": len(ids) - queued}
+        return Selection(ids, states=states, started=started)
+    ids, winners = array("q"), array("q")
+    ticket: tuple[str, str] | None = None  # the last ticket of the page before, and
+    carried = 0  # its newest id
+    for page in _pages(conn, "controls_page_dead", params, ("key", "kind", "id")):
+        newest = list(page.winners)
+        if (page.first_kind, page.first_key) == ticket:
+            # the page starts inside that ticket: its newest dead letter came before
+            cut = newest[0]
+            newest = [carried if w == cut else w for w in newest]
+        ids.extend(page.ids)
+        winners.extend(newest)
+        ticket, carried = (page.last_kind, page.last_key), newest[-1]
+    return Selection(ids, winners=winners, started=started)
+
+
+def _pages(
+    conn: sa.Connection, name: str, params: Mapping[str, Any], cursor: tuple[str, ...]
+) -> Iterator[sa.Row[Any]]:
+    """The pages of statement `name` (each one row: `ids`, `n` and the last row's columns
+    as last_<column>), each after the last row of the one before (its `cursor` columns
+    bound as after_<column>), until a short page."""
+    after: dict[str, Any] = dict.fromkeys(("after_kind", "after_key", "after_id"))
+    while True:
+        page = conn.execute(sql()(name), {**params, **after}).one()
+        if page.n:
+            yield page
+        if page.n < int(params["page_size"]):
+            return
+        after.update({f"after_{column}": getattr(page, f"last_{column}") for column in cursor})
+
+
+def preview(conn: sa.Connection, command: AuditCommand, selection: Selection) -> dict[str, int]:
+    """What `command` would do to `selection` now, in the counts its run reports."""
+    if command is AuditCommand.CANCEL:
+        return {**dict.fromkeys(COUNTS[command], 0), **selection.states}
+    if command is AuditCommand.DLQ_DISCARD:
+        return {"discarded": len(selection.ids)}
+    winners = sorted(set(selection.winners))
+    redriven = 0
+    for start in range(0, len(winners), PREVIEW_CHUNK):
+        chunk = winners[start : start + PREVIEW_CHUNK]
+        redriven += int(
+            conn.execute(sql()("controls_redrive_preview"), {"winners": chunk}).scalar_one()
+        )
+    return {"redriven": redriven, "merged": len(selection.ids) - redriven}
 
 
 def sample(conn: sa.Connection, ids: Sequence[int], limit: int = SAMPLE_SIZE) -> list[Sampled]:
@@ -149,12 +237,18 @@ def sample(conn: sa.Connection, ids: Sequence[int], limit: int = SAMPLE_SIZE) ->
 
 
 def cancel_batch(
-    conn: sa.Connection, flt: Filter, ids: Sequence[int], *, now: datetime | None = None
+    conn: sa.Connection,
+    flt: Filter,
+    ids: Sequence[int],
+    *,
+    now: datetime | None = None,
+    started: datetime | None = None,
 ) -> dict[str, int]:
-    """Cancel the rows of `ids` that still match `flt` (caller's transaction)."""
-    params = _batch_params(flt, Scope.OPEN, ids, now)
+    """Cancel the rows of `ids` that still match `flt` (caller's transaction), except the
+    queued rows an event merged into at or after `started` (kept: new work survives)."""
+    params = _batch_params(flt, Scope.OPEN, ids, now, started=started)
     row = conn.execute(sql()("controls_cancel_batch"), params).one()
-    return {"queued": int(row.queued), "leased": int(row.leased)}
+    return {"queued": int(row.queued), "leased": int(row.leased), "kept": int(row.kept)}
 
 
 def discard_batch(
@@ -202,12 +296,17 @@ def run(
     sample_size: int = SAMPLE_SIZE,
     statement_timeout_seconds: float = STATEMENT_TIMEOUT_SECONDS_DEFAULT,
     now: datetime | None = None,
+    page_size: int = SELECT_PAGE_SIZE,
+    confirm: Callable[[ActionResult], bool] | None = None,
     on_batch: Callable[[int, Mapping[str, int]], None] | None = None,
 ) -> ActionResult:
     """Run `command` on the rows `flt` matches, batch by batch, and audit it.
 
-    A dry run selects and samples, then changes and records nothing. `on_batch(n, totals)`
-    is told after each committed batch (tests use it to interleave).
+    A dry run selects, says what the run would do and samples, then changes and records
+    nothing. `confirm(preview)` is asked before anything changes (the preview is what a dry
+    run returns); when it says no, that preview is returned and nothing changes.
+    `on_batch(n, totals)` is told after each committed batch (progress; tests interleave).
+    ActionStopped when a batch fails after others committed (they stay done, and audited).
     """
     if command not in SCOPE_OF:
         raise ValueError(f"{command} is not a batched control")
@@ -217,22 +316,29 @@ def run(
         raise ValueError("batch_size must be at least 1")
     actor = audit.check_actor(actor)
     with engine.connect() as conn:
-        with conn.begin():
-            set_statement_timeout(conn, statement_timeout_seconds)
-            selection = select(conn, flt, now=now)
-            shown = tuple(sample(conn, selection.ids, sample_size)) if dry_run else ()
+        try:
+            with conn.begin():
+                # every page of the selection reads one snapshot, each its own statement
+                conn.execute(sql()("controls_snapshot"))
+                set_statement_timeout(conn, statement_timeout_seconds)
+                selection = select(conn, flt, now=now, page_size=page_size)
+                predicted = preview(conn, command, selection)
+                shown = tuple(sample(conn, selection.ids, sample_size)) if dry_run else ()
+        except sa_exc.DBAPIError as exc:
+            raise ActionStopped(ActionResult(command, flt, 0, {}, 0, dry_run), exc) from exc
+        would = ActionResult(
+            command,
+            flt,
+            len(selection.ids),
+            predicted,
+            0,
+            True,
+            sample=shown,
+            states=selection.states,
+        )
+        if dry_run or (confirm is not None and not confirm(would)):
+            return would
         totals = dict.fromkeys(COUNTS[command], 0)
-        if dry_run:
-            return ActionResult(
-                command,
-                flt,
-                len(selection.ids),
-                totals,
-                0,
-                True,
-                sample=shown,
-                states=selection.states,
-            )
         with conn.begin():
             audit_id = audit.record(
                 conn,
@@ -243,39 +349,70 @@ def run(
                 finished=False,
                 now=now,
             )
+        done = ActionResult(
+            command,
+            flt,
+            len(selection.ids),
+            totals,
+            0,
+            False,
+            audit_id=audit_id,
+            states=selection.states,
+        )
         batches = 0
-        for start in range(0, len(selection.ids), batch_size):
-            ids = selection.ids[start : start + batch_size]
-            with conn.begin():
-                set_statement_timeout(conn, statement_timeout_seconds)
-                if command is AuditCommand.CANCEL:
-                    done = cancel_batch(conn, flt, ids, now=now)
-                elif command is AuditCommand.DLQ_DISCARD:
-                    done = discard_batch(conn, flt, ids, now=now)
-                else:
-                    winners = selection.winners[start : start + batch_size]
-                    done = redrive_batch(conn, flt, ids, winners, now=now)
-                for name, n in done.items():
-                    totals[name] += n
-                changed = sum(n for name, n in done.items() if name in CHANGED)
-                audit.add_rows(
-                    conn, audit_id, changed, detail={"matched": len(selection.ids), **totals}
+        try:
+            for start in range(0, len(selection.ids), batch_size):
+                _run_batch(
+                    conn,
+                    command,
+                    flt,
+                    selection,
+                    start=start,
+                    batch_size=batch_size,
+                    totals=totals,
+                    audit_id=audit_id,
+                    statement_timeout_seconds=statement_timeout_seconds,
+                    now=now,
                 )
-            batches += 1
-            if on_batch is not None:
-                on_batch(batches, dict(totals))
-        with conn.begin():
-            audit.finish(conn, audit_id, now=now)
-    return ActionResult(
-        command,
-        flt,
-        len(selection.ids),
-        totals,
-        batches,
-        False,
-        audit_id=audit_id,
-        states=selection.states,
-    )
+                batches += 1
+                if on_batch is not None:
+                    on_batch(batches, dict(totals))
+            with conn.begin():
+                audit.finish(conn, audit_id, now=now)
+        except sa_exc.DBAPIError as exc:
+            raise ActionStopped(replace(done, counts=dict(totals), batches=batches), exc) from exc
+    return replace(done, counts=totals, batches=batches)
+
+
+def _run_batch(
+    conn: sa.Connection,
+    command: AuditCommand,
+    flt: Filter,
+    selection: Selection,
+    *,
+    start: int,
+    batch_size: int,
+    totals: dict[str, int],
+    audit_id: int,
+    statement_timeout_seconds: float,
+    now: datetime | None,
+) -> None:
+    """Act on the batch of `selection` at `start` in its own transaction, adding what it
+    did to `totals` and to the audit row (in that transaction)."""
+    ids = selection.ids[start : start + batch_size]
+    with conn.begin():
+        set_statement_timeout(conn, statement_timeout_seconds)
+        if command is AuditCommand.CANCEL:
+            done = cancel_batch(conn, flt, ids, now=now, started=selection.started)
+        elif command is AuditCommand.DLQ_DISCARD:
+            done = discard_batch(conn, flt, ids, now=now)
+        else:
+            winners = selection.winners[start : start + batch_size]
+            done = redrive_batch(conn, flt, ids, winners, now=now)
+        for name, n in done.items():
+            totals[name] += n
+        changed = sum(n for name, n in done.items() if name in CHANGED)
+        audit.add_rows(conn, audit_id, changed, detail={"matched": len(selection.ids), **totals})
 
 
 # -- the CLI's entry point (enrichq cancel / dlq discard / dlq redrive)
@@ -291,8 +428,14 @@ def run_cli(
     dry_run: bool,
     as_json: bool = False,
     batch_size: int = DEFAULT_BATCH_SIZE,
+    confirm: Callable[[ActionResult], bool] | None = None,
+    on_batch: Callable[[int, Mapping[str, int]], None] | None = None,
+    on_end: Callable[[], None] | None = None,
 ) -> None:
-    """Run an action from the command line and print what it did (or would do)."""
+    """Run an action from the command line and print what it did (or would do).
+
+    `confirm` and `on_batch` are `run`'s; `on_end` is told when the action ends, however it
+    ends, before anything is printed (a progress display stops there)."""
     from enrichq_schema.connections import create_engine
 
     engine = create_engine(settings, url, application_name=f"enrichq-{command.value}", pool_size=1)
@@ -305,21 +448,61 @@ def run_cli(
             dry_run=dry_run,
             batch_size=batch_size,
             statement_timeout_seconds=settings.statement_timeout_seconds,
+            confirm=confirm,
+            on_batch=on_batch,
         )
     except (FilterError, audit.AuditInputError) as exc:
+        _end(on_end)
         fail(f"{command.value}: {exc}; nothing changed")
+    except ActionStopped as stopped:
+        _end(on_end)
+        fail(stopped_message(stopped, settings.statement_timeout_seconds), Exit.FAILED)
     except KeyboardInterrupt:
+        _end(on_end)
         fail(
             f"{command.value}: interrupted; the batches committed so far stay done "
             "(`enrichq audit` shows how many rows)",
             Exit.INTERRUPTED,
         )
     finally:
+        _end(on_end)
         engine.dispose()
+    if result.dry_run and not dry_run:
+        fail(f"{command.value}: not confirmed; nothing changed", Exit.FAILED)
     if as_json:
         print(json.dumps(result_json(result), default=str))
     else:
         print_result(result)
+
+
+def _end(on_end: Callable[[], None] | None) -> None:
+    if on_end is not None:
+        on_end()
+
+
+def stopped_message(stopped: ActionStopped, statement_timeout_seconds: float) -> str:
+    """One line: why an action stopped, and what it committed before (which stays done)."""
+    from enrichq_schema.errors import describe_database_error
+
+    done = stopped.done
+    if stopped.timed_out:
+        why = (
+            f"a statement ran past the statement timeout ({statement_timeout_seconds:g} s, "
+            "ENRICHQ_STATEMENT_TIMEOUT_SECONDS)"
+        )
+    else:
+        why = describe_database_error(stopped.cause) or str(stopped.cause).splitlines()[0]
+    if done.audit_id is None:
+        return f"{done.command.value}: stopped while selecting rows: {why}; nothing changed"
+    if done.batches == 0:
+        return (
+            f"{done.command.value}: stopped during its first batch: {why}; nothing changed "
+            f"(audit id {done.audit_id} records the attempt)"
+        )
+    return (
+        f"{done.command.value}: stopped during batch {done.batches + 1}: {why}; the batches "
+        f"before it committed and stay done: {done_counts(done)}; run it again for the rest"
+    )
 
 
 def result_json(result: ActionResult) -> dict[str, Any]:
@@ -349,7 +532,7 @@ def print_result(result: ActionResult) -> None:
     """One summary line; a dry run adds the sample as a table."""
     from enrichq_schema.text import printable
 
-    verb, done = VERB[result.command]
+    verb, _ = VERB[result.command]
     what = "row" if result.filter.scope is Scope.OPEN else "dead letter"
     one = result.matched == 1
     states = ""
@@ -357,13 +540,26 @@ def print_result(result: ActionResult) -> None:
         states = " (" + ", ".join(f"{n} {s}" for s, n in result.states.items()) + ")"
     where = printable(result.filter.describe())
     if result.dry_run:
+        if result.command is AuditCommand.DLQ_REDRIVE and result.counts["merged"]:
+            would = (
+                f"would redrive {result.counts['redriven']} and merge "
+                f"{result.counts['merged']} (left dead: their ticket has a newer match or a "
+                "queued row)"
+            )
+        else:
+            would = f"would {verb} {'it' if one else 'them'}"
         print(
             f"{result.matched} {what}{'' if one else 's'}{states} "
-            f"{'matches' if one else 'match'} {where}; would {verb} "
-            f"{'it' if one else 'them'} (dry run: nothing changed)"
+            f"{'matches' if one else 'match'} {where}; {would} (dry run: nothing changed)"
         )
         _print_sample(result)
         return
+    print(f"{result.matched} {what}{'' if one else 's'} matched {where}: {done_counts(result)}")
+
+
+def done_counts(result: ActionResult) -> str:
+    """What a run did, as the end of its summary line (or of the line saying it stopped)."""
+    _, done = VERB[result.command]
     if result.command is AuditCommand.DLQ_REDRIVE:
         counts = (
             f"{result.counts['redriven']} redriven, {result.counts['merged']} merged "
@@ -373,9 +569,13 @@ def print_result(result: ActionResult) -> None:
         counts = f"{result.affected} {done}"
         if result.command is AuditCommand.CANCEL and result.affected:
             counts += f" ({result.counts['queued']} queued, {result.counts['leased']} leased)"
-    print(
-        f"{result.matched} {what}{'' if one else 's'} matched {where}: {counts}; "
-        f"{result.batches} batch{'' if result.batches == 1 else 'es'}, "
+        if result.counts.get("kept"):
+            counts += (
+                f", {result.counts['kept']} kept (new work merged into "
+                f"{'it' if result.counts['kept'] == 1 else 'them'} after the cancel began)"
+            )
+    return (
+        f"{counts}; {result.batches} batch{'' if result.batches == 1 else 'es'}, "
         f"audit id {result.audit_id}"
     )
 
@@ -388,7 +588,7 @@ def _print_sample(result: ActionResult) -> None:
 
     if not result.sample:
         return
-    table = Table(title=f"first {len(result.sample)} of {result.matched} (in lock order)")
+    table = Table(title=f"first {len(result.sample)} of {result.matched} (in the order worked)")
     open_scope = result.filter.scope is Scope.OPEN
     columns = ["id", "kind", "key", "tenant", "state" if open_scope else "dead reason"]
     columns += ["reason", "attempts", "created" if open_scope else "dead since"]

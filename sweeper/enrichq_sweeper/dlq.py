@@ -58,7 +58,8 @@ def list_dead(
     if not 1 <= limit <= LIST_LIMIT_MAX:
         raise DlqInputError(f"limit must be between 1 and {LIST_LIMIT_MAX}")
     if reason is None:
-        rows = conn.execute(sql()("dlq_list"), {"limit": limit}).all()
+        reasons = [r.value for r in DeadReason]
+        rows = conn.execute(sql()("dlq_list"), {"limit": limit, "reasons": reasons}).all()
     else:
         rows = conn.execute(sql()("dlq_list_by_reason"), {"limit": limit, "reason": reason}).all()
     return [DeadLetter(**r._asdict()) for r in rows]

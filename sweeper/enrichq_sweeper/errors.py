@@ -19,3 +19,7 @@ class FilterError(SweeperError):
 
 class DlqInputError(FilterError):
     """Bad dead-letter selection."""
+
+
+class BackfillInputError(SweeperError):
+    """The backfill cannot run on this input."""

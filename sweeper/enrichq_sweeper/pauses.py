@@ -171,6 +171,14 @@ def resume(
     return resumed
 
 
+def seen(conn: sa.Connection, scope: Scope) -> bool:
+    """Whether work of `scope` was ever seen (a tenant with a plan, claims counted for it,
+    open rows): a pause of a scope never seen may stop nothing at all (a misspelt tenant)."""
+    kinds = [scope.kind] if scope.kind is not None else [k.value for k in Kind]
+    params = {"kinds": kinds, "tenant": scope.tenant}
+    return bool(conn.execute(sql()("controls_scope_seen"), params).scalar_one())
+
+
 def in_place(conn: sa.Connection, *, now: datetime | None = None) -> list[Pause]:
     """Every pause in place, oldest first."""
     return [Pause.of(r) for r in conn.execute(sql()("controls_pauses"), {"now": now})]
@@ -193,12 +201,22 @@ def pause_cli(
     try:
         with engine.begin() as conn:
             done, created = pause(conn, scope, actor=actor, reason=reason)
+            known = scope == Scope() or seen(conn, scope)
     finally:
         engine.dispose()
+    if not known:
+        say(
+            f"pause: warning: no work of {scope.describe()} has ever been seen (no plan, no "
+            "claims, no open rows): the pause is in place but may stop nothing; check the "
+            "spelling (`enrichq status` lists the pauses)"
+        )
     if as_json:
-        print(json.dumps({"paused": done.as_json(), "created": created}))
+        print(json.dumps({"paused": done.as_json(), "created": created, "seen": known}))
     elif created:
-        print(f"paused {done.scope.describe()}: no worker claims its work until resumed")
+        print(
+            f"paused {done.scope.describe()}: no worker claims its work until resumed"
+            + ("" if known else " (none seen so far)")
+        )
     else:
         since = done.paused_at.strftime("%Y-%m-%d %H:%M:%SZ")
         print(f"{done.scope.describe()} was already paused (since {since} by {done.paused_by})")

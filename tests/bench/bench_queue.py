@@ -13,6 +13,10 @@ Everything runs sequentially on scratch databases of ENRICHQ_TEST_DATABASE_URL's
 - enrichq as ratios of both, against the issue's targets;
 - claim latency p50/p99 (one process, batch 50) with no history, with 1,000,000 terminal
   rows, and with the claim counts of 5,000 tenants over 48 hours (issue 12);
+- claim latency by the tenants holding queued work (issue 26): 5,000 queued rows on 200,000
+  terminal ones, of one tenant, of 5,000 tenants, and of 5,000 tenants not visible yet
+  beside one tenant's visible backlog, each with the plan made with the values and with the
+  worker's generic plan (`--latency-only` runs the two latency parts alone);
 - a soak: a steady enqueue rate and 2 workers, per minute throughput and dead tuples.
 
 Not a test: pytest never collects tests/bench. Times come from time.perf_counter.
@@ -82,6 +86,9 @@ FULL = Sizes(5, 3_000, 50_000, 50_000, 2_000, 1_000_000, 10)
 # the claim counts of this many tenants, every hour of two days (issue 12: claim cost must
 # follow the tenants with visible work, not every tenant with history)
 LATENCY_TENANTS = 5_000
+# issue 26: the queued rows and the history of the claim-cost-by-tenants part
+SPREAD_QUEUED = 5_000
+SPREAD_TERMINAL = 200_000
 QUICK = Sizes(1, 400, 5_000, 5_000, 200, 200_000, 1)
 
 
@@ -435,6 +442,91 @@ def bench_latency(url: str, history_url: str, tenants_url: str, sizes: Sizes) ->
             engine.dispose()
 
 
+@dataclass(frozen=True)
+class Spread:
+    """One table of the claim-cost-by-tenants part: who holds its queued rows."""
+
+    label: str
+    tenants: int  # the queued rows are spread over this many tenants
+    hidden: bool  # they are not visible yet; one tenant's visible backlog beside them
+
+
+SPREADS = (
+    Spread("1 tenant", 1, hidden=False),
+    Spread(f"{LATENCY_TENANTS:,} tenants", LATENCY_TENANTS, hidden=False),
+    Spread(f"{LATENCY_TENANTS:,} tenants not visible yet", LATENCY_TENANTS, hidden=True),
+)
+
+
+def fill_spread(url: str, spread: Spread) -> None:
+    """SPREAD_TERMINAL done rows, then SPREAD_QUEUED queued rows over `spread.tenants`
+    tenants (visible now, or in 10 minutes beside one tenant's SPREAD_QUEUED visible rows)."""
+    visible = "now() + interval '10 minutes'" if spread.hidden else "now() - interval '1 second'"
+    statements = [
+        "TRUNCATE enrichq.queue, enrichq.tenant_served RESTART IDENTITY",
+        "INSERT INTO enrichq.queue (kind, key, tenant, reason, state, visible_at, attempts,"
+        " max_attempts, finished_at, created_at, updated_at)"
+        " SELECT 'enrich', 'H-' || g, 'hist-' || (g % 5000), 'created', 'done',"
+        "  now() - interval '2 days', 1, 5, now() - interval '1 day', now() - interval '2 days',"
+        "  now() - interval '1 day'"
+        f" FROM generate_series(1, {SPREAD_TERMINAL}) AS g",
+        "INSERT INTO enrichq.queue (kind, key, tenant, reason, visible_at, max_attempts)"
+        f" SELECT 'enrich', 'S-' || g, 'spread-' || (g % {int(spread.tenants)}), 'manual',"
+        f"  {visible}, 5"
+        f" FROM generate_series(1, {SPREAD_QUEUED}) AS g",
+    ]
+    if spread.hidden:
+        statements.append(
+            "INSERT INTO enrichq.queue (kind, key, tenant, reason, visible_at, max_attempts)"
+            " SELECT 'enrich', 'V-' || g, 'busy', 'manual', now() - interval '1 second', 5"
+            f" FROM generate_series(1, {SPREAD_QUEUED}) AS g"
+        )
+    run_sql(url, *statements)
+    run_sql(url, "VACUUM ANALYZE enrichq.queue", autocommit=True)
+
+
+def bench_spread(urls: Sequence[str], sizes: Sizes) -> list[list[float]]:
+    """Claim latency (claim statement + commit), one process, batch 50, on each SPREADS
+    table, with the plan made with the values and then with the worker's claim engine
+    (generic plan), the tables taking turns every 50 claims. Untimed after each claim: its
+    jobs complete and as many rows of the same tenants are enqueued, visible now, so every
+    claim meets the tenants and the backlog the table started with."""
+    settings = Settings.load(database_url=urls[0], delay_created_seconds=0)
+    for url, spread in zip(urls, SPREADS, strict=True):
+        fill_spread(url, spread)
+    custom = [create_engine(u, pool_size=1) for u in urls]
+    built = [build_engines(Settings.load(database_url=u), u) for u in urls]
+    engines = custom + [b.claims for b in built]
+    latencies: list[list[float]] = [[] for _ in engines]
+    try:
+        for n in range(sizes.latency_claims * len(engines)):
+            side = (n // 50) % len(engines)
+            engine = engines[side]
+            t = time.perf_counter()
+            with engine.begin() as conn:
+                jobs = queue.claim(
+                    conn,
+                    kinds=("enrich",),
+                    owner="lat",
+                    limit=LATENCY_BATCH,
+                    lease_seconds=LEASE_SECONDS,
+                )
+            latencies[side].append(time.perf_counter() - t)
+            with custom[side % len(urls)].begin() as conn:
+                queue.complete(conn, owner="lat", jobs=jobs)
+                again = [
+                    EnqueueRequest.build(key=f"{j.key}-{n}", tenant=j.tenant, delay_seconds=0)
+                    for j in jobs
+                ]
+                queue.enqueue(conn, again, settings=settings)
+        return latencies
+    finally:
+        for engine in custom:
+            engine.dispose()
+        for b in built:
+            b.dispose()
+
+
 def soak_producer(
     *, url: str, rate: float, minutes: float, counter: Any, start: Any, out: Any
 ) -> None:
@@ -729,6 +821,47 @@ def report_latency(sizes: Sizes, latencies: list[list[float]]) -> list[list[obje
     return targets
 
 
+def report_spread(sizes: Sizes, latencies: list[list[float]]) -> list[list[object]]:
+    plans = ("values", "generic")
+    rows: list[list[object]] = []
+    p50: dict[tuple[str, str], float] = {}
+    for i, side in enumerate(latencies):
+        spread, plan = SPREADS[i % len(SPREADS)], plans[i // len(SPREADS)]
+        p50[(spread.label, plan)] = percentile(side, 50) * 1000
+        rows.append(
+            [
+                spread.label,
+                plan,
+                p50[(spread.label, plan)],
+                percentile(side, 99) * 1000,
+                max(side) * 1000,
+            ]
+        )
+    print_table(
+        f"claim latency by tenants with queued work, 1 process, batch {LATENCY_BATCH},"
+        f" {sizes.latency_claims:,} claims each (ms, claim + commit; {SPREAD_QUEUED:,} queued"
+        f" rows, {SPREAD_TERMINAL:,} terminal rows)",
+        ["queued rows of", "plan", "p50", "p99", "max"],
+        rows,
+        note="not visible yet: visible in 10 minutes, beside one tenant's visible backlog",
+    )
+    targets: list[list[object]] = []
+    one = SPREADS[0].label
+    for spread in SPREADS[1:]:
+        for plan in plans:
+            x = ratio(p50[(spread.label, plan)], p50[(one, plan)])
+            targets.append(
+                [
+                    f"claim p50, queued rows of {spread.label} ≤ {TARGET_LATENCY_RATIO}x"
+                    f" of {one} ({plan} plan)",
+                    f"{x:.2f}x",
+                    f"{p50[(spread.label, plan)]:.2f} vs {p50[(one, plan)]:.2f} ms",
+                    verdict(x, TARGET_LATENCY_RATIO, higher_is_better=False),
+                ]
+            )
+    return targets
+
+
 def server_setting(name: str) -> str:
     with psycopg.connect(libpq_url(server_url())) as conn:
         row = conn.execute("SELECT current_setting(%s)", (name,)).fetchone()
@@ -748,6 +881,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="soak enqueue rate, jobs/s (default: a quarter of enrichq's 2-process batch-50 rate)",
     )
     parser.add_argument("--skip-soak", action="store_true", help="leave the soak out")
+    parser.add_argument(
+        "--latency-only", action="store_true", help="run only the claim-latency parts"
+    )
     parser.add_argument(
         "--soak-only", action="store_true", help="run only the soak (needs --soak-rate)"
     )
@@ -777,6 +913,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     targets: list[list[object]] = []
     autovacuum = server_setting("autovacuum")
     drains: list[Drain] = []
+    if args.latency_only:
+        with scratch_database("queue_bench") as url:
+            latencies, spread = run_latency(url, sizes)
+        console.rule("results")
+        targets += report_latency(sizes, latencies)
+        targets += report_spread(sizes, spread)
+        print_table("targets (issues 3, 26)", ["target", "measured", "detail", "verdict"], targets)
+        return 0
     with scratch_database("queue_bench") as url:
         if not args.soak_only:
             settings = Settings.load(
@@ -787,12 +931,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             console.print("[bold]claim → complete[/bold]")
             with maybe_scratch("pgqueuer_bench", have_pgqueuer) as pgq_url:
                 drains, pgq_status = bench_drains(url, sizes, pgqueuer_url=pgq_url)
-            console.print("[bold]claim latency[/bold]")
-            with (
-                scratch_database("queue_bench_history") as history_url,
-                scratch_database("queue_bench_tenants") as tenants_url,
-            ):
-                latencies = bench_latency(url, history_url, tenants_url, sizes)
+            latencies, spread = run_latency(url, sizes)
         rate = args.soak_rate or SOAK_SHARE * max(
             d.rate for d in drains if (d.system, d.batch, d.processes) == ("enrichq", 50, 2)
         )
@@ -806,6 +945,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_table("enqueue", ["what", "jobs", "seconds", "jobs/s"], enqueue_rows)
         targets += report_drains(drains, pgq_status)
         targets += report_latency(sizes, latencies)
+        targets += report_spread(sizes, spread)
     if soak_rows:
         vacuum_note = f"server autovacuum = {autovacuum}" + (
             "; the monitor VACUUMs the queue table each minute" if args.vacuum_standin else ""
@@ -835,8 +975,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                 verdict(value, TARGET_SOAK_RATIO),
             ]
         )
-    print_table("targets (issue 3)", ["target", "measured", "detail", "verdict"], targets)
+    print_table("targets (issues 3, 26)", ["target", "measured", "detail", "verdict"], targets)
     return 0
+
+
+def run_latency(url: str, sizes: Sizes) -> tuple[list[list[float]], list[list[float]]]:
+    """Both claim-latency parts, on scratch databases beside `url`."""
+    console.print("[bold]claim latency[/bold]")
+    with (
+        scratch_database("queue_bench_history") as history_url,
+        scratch_database("queue_bench_tenants") as tenants_url,
+    ):
+        latencies = bench_latency(url, history_url, tenants_url, sizes)
+    console.print("[bold]claim latency by tenants with queued work[/bold]")
+    with (
+        scratch_database("queue_bench_one") as one_url,
+        scratch_database("queue_bench_spread") as spread_url,
+        scratch_database("queue_bench_hidden") as hidden_url,
+    ):
+        spread = bench_spread([one_url, spread_url, hidden_url], sizes)
+    return latencies, spread
 
 
 @contextmanager

@@ -10,7 +10,7 @@ never written. Redrive racing an enqueue of the same ticket leaves one queued ro
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
@@ -21,8 +21,9 @@ from tests.support.procs import wait_for
 from tests.support.settings import make_settings
 from tests.support.threads import run_together
 
+from enrichq_schema.states import AuditCommand
 from enrichq_service import queue
-from enrichq_service.queue import EnqueueRequest, Job
+from enrichq_service.queue import EnqueueRequest, EnqueueResult, Job
 from enrichq_sweeper import controls
 from enrichq_sweeper.filters import Filter, Scope
 
@@ -103,7 +104,7 @@ def test_a_cancel_racing_a_settle_never_deadlocks_nor_fails(db_engine: sa.Engine
                 assert (state, has_result) == ("done", True)
             else:
                 assert (state, dead_reason, has_result) == ("dead_letter", "cancelled", False)
-        assert cancelled == {"queued": 0, "leased": JOBS - len(won)}
+        assert cancelled == {"queued": 0, "leased": JOBS - len(won), "kept": 0}
 
 
 @pytest.mark.parametrize("first", ["settle", "cancel"])
@@ -131,14 +132,14 @@ def test_whoever_commits_first_wins_and_the_other_waits_then_steps_aside(
     answer = result()
     rows = outcome(db_engine, "W")
     if first == "settle":
-        assert answer == {"queued": 0, "leased": 0}  # nothing left to cancel: all done
+        assert answer == {"queued": 0, "leased": 0, "kept": 0}  # nothing left: all done
         assert set(rows.values()) == {("done", None, True)}
     else:
         assert answer == set()  # every write refused: no result written
         assert set(rows.values()) == {("dead_letter", "cancelled", False)}
 
 
-def cancel_batch_committed(engine: sa.Engine, flt: Filter, ids: tuple[int, ...]) -> Any:
+def cancel_batch_committed(engine: sa.Engine, flt: Filter, ids: Sequence[int]) -> Any:
     with engine.begin() as conn:
         return controls.cancel_batch(conn, flt, ids)
 
@@ -211,3 +212,102 @@ def test_a_redrive_racing_an_enqueue_of_the_same_ticket_leaves_one_queued_row(
             )
         # the redrive won (the enqueue merged into it) or merged into the enqueued row
         assert states in (["queued"], ["dead_letter", "queued"])
+
+
+# -- work that arrives while a cancel runs survives it
+
+
+def enqueue_one(engine: sa.Engine, key: str) -> EnqueueResult:
+    settings = make_settings(str(engine.url))
+    with engine.begin() as conn:
+        [result] = queue.enqueue(conn, [EnqueueRequest.build(key=key)], settings=settings)
+        return result
+
+
+def open_rows(engine: sa.Engine, key: str) -> list[tuple[int, str, str | None]]:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.text(
+                "SELECT id, state, dead_reason FROM enrichq.queue WHERE key = :key ORDER BY id"
+            ),
+            {"key": key},
+        )
+        return [(r.id, r.state, r.dead_reason) for r in rows]
+
+
+def test_an_event_merged_after_a_cancel_selected_its_row_is_not_cancelled(
+    db_engine: sa.Engine,
+) -> None:
+    """The cancel selects the queued row; an event for its ticket merges into it and
+    commits; then the cancel's batch runs. The event came after the operator acted: its
+    work stays queued."""
+    first = enqueue_one(db_engine, "M-1")
+    arrived: list[EnqueueResult] = []
+
+    def event_arrives(would: controls.ActionResult) -> bool:
+        # between the selection and the first batch, on a connection of its own
+        assert would.matched == 1
+        arrived.append(enqueue_one(db_engine, "M-1"))
+        return True
+
+    result = controls.run(
+        db_engine,
+        AuditCommand.CANCEL,
+        Filter.build(Scope.OPEN, keys=["M-1"]),
+        actor="ops",
+        confirm=event_arrives,
+    )
+    [merged] = arrived
+    assert (merged.id, merged.inserted) == (first.id, False)
+    assert result.counts == {"queued": 0, "leased": 0, "kept": 1}
+    assert open_rows(db_engine, "M-1") == [(first.id, "queued", None)]
+
+
+def test_an_event_merging_while_a_cancel_batch_runs_survives_whoever_locks_first(
+    db_engine: sa.Engine,
+) -> None:
+    """Merge first: the event's transaction merged into the row and has not committed when
+    the cancel's batch reaches the row. The batch waits for it, then keeps the row.
+    Cancel first: the batch has cancelled the row and not committed when the event comes;
+    the event waits, then queues a new row. Either way the event's work stays queued."""
+    settings = make_settings(str(db_engine.url))
+    flt = Filter.build(Scope.OPEN, keys=["M-2", "M-3"])
+    m2 = enqueue_one(db_engine, "M-2")
+    m3 = enqueue_one(db_engine, "M-3")
+    with db_engine.connect() as conn, conn.begin():
+        selection = controls.select(conn, flt)
+    # merge first (M-2): the batch waits for the event's transaction
+    event = db_engine.connect()
+    event_tx = event.begin()
+    [merged] = queue.enqueue(event, [EnqueueRequest.build(key="M-2")], settings=settings)
+    assert (merged.id, merged.inserted) == (m2.id, False)
+
+    def cancel() -> dict[str, int]:
+        with db_engine.begin() as conn:
+            return controls.cancel_batch(conn, flt, selection.ids, started=selection.started)
+
+    [batch] = run_in_background(cancel, until=lambda: lock_waiters(db_engine) == 1)
+    event_tx.commit()
+    event.close()
+    assert batch() == {"queued": 1, "leased": 0, "kept": 1}
+    assert open_rows(db_engine, "M-2") == [(m2.id, "queued", None)]
+    assert open_rows(db_engine, "M-3") == [(m3.id, "dead_letter", "cancelled")]
+    # cancel first (M-3 again, queued anew): the event waits for the batch's transaction
+    m3b = enqueue_one(db_engine, "M-3")
+    only_m3 = Filter.build(Scope.OPEN, keys=["M-3"])
+    with db_engine.connect() as conn, conn.begin():
+        again = controls.select(conn, only_m3)
+    holder = db_engine.connect()
+    holder_tx = holder.begin()
+    assert controls.cancel_batch(holder, only_m3, again.ids, started=again.started)["queued"] == 1
+    [late] = run_in_background(
+        partial(enqueue_one, db_engine, "M-3"), until=lambda: lock_waiters(db_engine) == 1
+    )
+    holder_tx.commit()
+    holder.close()
+    row = late()
+    assert row.inserted
+    assert open_rows(db_engine, "M-3")[-2:] == [
+        (m3b.id, "dead_letter", "cancelled"),
+        (row.id, "queued", None),
+    ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import threading
 from collections import Counter
 from datetime import UTC, datetime, timedelta
@@ -82,10 +83,10 @@ def act(
     for start in range(0, len(selection.ids), batch_size):
         ids = selection.ids[start : start + batch_size]
         if command is AuditCommand.CANCEL:
-            done.update(controls.cancel_batch(conn, flt, ids, now=T0))
+            done.update(controls.cancel_batch(conn, flt, ids, now=T0, started=selection.started))
         else:
             done.update(controls.discard_batch(conn, flt, ids, now=T0))
-    return done
+    return +done  # the counts that are not zero
 
 
 # -- cancel
@@ -162,7 +163,7 @@ def claimed(conn: sa.Connection, key: str) -> Job:
 
 def test_a_cancelled_leased_row_fences_its_worker(conn: sa.Connection) -> None:
     job = claimed(conn, "T-1")
-    assert act(conn, AuditCommand.CANCEL, keys=["T-1"]) == {"queued": 0, "leased": 1}
+    assert act(conn, AuditCommand.CANCEL, keys=["T-1"]) == {"leased": 1}
     later = T0 + timedelta(seconds=5)
     # the heartbeat reports the lease lost, so the handler is told to stop ...
     assert q.heartbeat(conn, owner=OWNER, jobs=[job], lease_seconds=60, now=later) == {job.id}
@@ -231,10 +232,10 @@ def test_discard_by_id_refuses_rows_that_are_not_dead_letters(conn: sa.Connectio
 
 
 SCOPE_STATEMENTS = {
-    "open_filter": {"controls_select_open", "controls_cancel_batch"},
-    "dead_filter": {"controls_select_dead", "controls_discard_batch", "controls_redrive_batch"},
+    "open_filter": {"controls_page_queued", "controls_page_leased", "controls_cancel_batch"},
+    "dead_filter": {"controls_page_dead", "controls_discard_batch", "controls_redrive_batch"},
 }
-SELECTS = {"controls_select_open", "controls_select_dead"}
+SELECTS = {"controls_page_queued", "controls_page_leased", "controls_page_dead"}
 
 
 def test_every_statement_of_a_scope_applies_that_scopes_filter() -> None:
@@ -248,8 +249,6 @@ def test_every_statement_of_a_scope_applies_that_scopes_filter() -> None:
             binds = set(queries[name].text.compile().params)
             assert binds >= criteria, name
             assert ("ids" in binds) == (name in SELECTS), name
-    # the select of open rows filters both its reads, one per partial index
-    assert queries["controls_select_open"].fragments.count("open_filter") == 2
     # and no other statement holds a filter
     filtered = {name for name, query in queries.items() if query.fragments}
     assert filtered == set().union(*SCOPE_STATEMENTS.values())
@@ -298,7 +297,7 @@ def test_a_run_works_in_batches_and_its_audit_row_follows_each_commit(
         result.audit_id,
     )
     assert entry.filter == {"scope": "open", "tenant": "acme"}
-    assert entry.detail == {"matched": 5, "queued": 5, "leased": 0}
+    assert entry.detail == {"matched": 5, "queued": 5, "leased": 0, "kept": 0}
     assert entry.finished_at is not None
     assert len(ids) == 5
 
@@ -329,11 +328,11 @@ def test_an_interrupted_run_keeps_its_committed_batches_and_an_unfinished_audit_
     assert (entry.command, entry.rows_affected, entry.finished_at) == ("dlq discard", 2, None)
 
 
-def test_a_dry_run_counts_and_samples_in_lock_order_and_changes_nothing(
+def test_a_dry_run_counts_and_samples_in_selection_order_and_changes_nothing(
     db_engine: sa.Engine,
 ) -> None:
     with db_engine.begin() as conn:
-        # lock order is (key, kind, id) by bytes: "B" < "a", and ids against it
+        # the selection reads the queued rows by (kind, key), then the leased ones
         a = row(conn, "a")
         b_refresh = row(conn, "B", kind="refresh", reason="refresh")
         b_enrich = row(conn, "B", "leased")
@@ -353,11 +352,11 @@ def test_a_dry_run_counts_and_samples_in_lock_order_and_changes_nothing(
         None,
     )
     assert result.states == {"queued": 2, "leased": 1}
-    assert [s.id for s in result.sample] == [b_enrich, b_refresh]
+    assert [s.id for s in result.sample] == [a, b_refresh]
     with db_engine.connect() as conn:
         assert conn.execute(sa.select(queue).order_by(queue.c.id)).all() == before
         assert audit.recent(conn) == []
-    assert a not in [s.id for s in result.sample]
+    assert b_enrich not in [s.id for s in result.sample]
 
 
 def test_a_batch_locks_its_rows_in_key_kind_id_order(db_engine: sa.Engine) -> None:
@@ -374,7 +373,7 @@ def test_a_batch_locks_its_rows_in_key_kind_id_order(db_engine: sa.Engine) -> No
     flt = Filter.build(Scope.OPEN, all_rows=True)
     with db_engine.connect() as conn:
         selection = controls.select(conn, flt)
-    assert selection.ids == tuple(ids[k] for k in sorted(keys))
+    assert tuple(selection.ids) == tuple(ids[k] for k in sorted(keys))
 
     blocker = db_engine.connect()
     blocker_tx = blocker.begin()
@@ -467,6 +466,10 @@ def test_the_cli_cancels_discards_and_lists_the_audit(
         ["dlq", "discard"],
         ["dlq", "discard", "--reason", "created"],
         ["dlq", "redrive", "--older-than", "0d"],
+        ["cancel", "--id", "9223372036854775808"],
+        ["dlq", "discard", "--id", "99999999999999999999"],
+        ["cancel", "--tenant", "acme "],
+        ["dlq", "redrive", "--tenant", " acme"],
         ["audit", "--limit", "0"],
         ["audit", "--command", "explode"],
     ],
@@ -515,3 +518,166 @@ def test_keys_with_control_characters_are_shown_escaped(
         # escaped, and rich markup shown as text rather than obeyed
         assert "w\\x1b[2J\\nFAKELOGLINE[bold]x" in flat(printed)
         assert "t\\u202eevil" in flat(printed)
+
+
+def test_an_id_beyond_bigint_is_refused_by_name(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from enrichq_service.cli import main
+
+    monkeypatch.setenv("ENRICHQ_DATABASE_URL", db_url)
+    assert main(["cancel", "--id", str(2**63)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "--id" in err
+    assert "9223372036854775807" in err
+
+
+def test_a_padded_tenant_is_refused_naming_what_was_meant(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from enrichq_service.cli import main
+
+    monkeypatch.setenv("ENRICHQ_DATABASE_URL", db_url)
+    assert main(["cancel", "--tenant", "acme ", "--dry-run"]) == 2
+    assert capsys.readouterr().err == (
+        "enrichq: cancel: --tenant: 'acme ' has spaces around it (did you mean 'acme'?);"
+        " nothing changed\n"
+    )
+
+
+def test_an_action_stopped_by_the_statement_timeout_says_so_and_what_committed(
+    db_engine: sa.Engine, db_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Batch 2 waits for a row another transaction holds until the statement timeout stops
+    it: the line names the timeout (not "database unavailable") and what batch 1 did."""
+    with db_engine.begin() as conn:
+        ids = [row(conn, f"T-{i}") for i in range(3)]
+    blocker = db_engine.connect()
+    blocker_tx = blocker.begin()
+    blocker.execute(
+        sa.text("SELECT 1 FROM enrichq.queue WHERE id = :id FOR UPDATE"), {"id": ids[1]}
+    )
+    settings = make_settings(db_url, statement_timeout_seconds=0.5)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            controls.run_cli(
+                settings,
+                db_url,
+                AuditCommand.CANCEL,
+                Filter.build(Scope.OPEN, all_rows=True),
+                actor="ops",
+                dry_run=False,
+                batch_size=1,
+            )
+    finally:
+        blocker_tx.rollback()
+        blocker.close()
+    assert stopped.value.code == 1
+    err = capsys.readouterr().err
+    [entry] = audit.recent(db_engine.connect(), limit=5)
+    assert err == (
+        "enrichq: cancel: stopped during batch 2: a statement ran past the statement timeout"
+        " (0.5 s, ENRICHQ_STATEMENT_TIMEOUT_SECONDS); the batches before it committed and stay"
+        f" done: 1 cancelled (1 queued, 0 leased); 1 batch, audit id {entry.id}; run it again"
+        " for the rest\n"
+    )
+    with db_engine.connect() as conn:
+        assert [get(conn, i).state for i in ids] == ["dead_letter", "queued", "queued"]
+    assert (entry.rows_affected, entry.finished_at) == (1, None)
+
+
+def many_queued(engine: sa.Engine, n: int) -> None:
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO enrichq.queue (kind, key, reason, max_attempts)"
+                " SELECT 'enrich', 'P-' || g, 'updated', 3 FROM generate_series(1, :n) AS g"
+            ),
+            {"n": n},
+        )
+
+
+def open_count(engine: sa.Engine) -> int:
+    return int(
+        seen_from_outside(engine, "SELECT count(*) FROM enrichq.queue WHERE state = 'queued'")[0][0]
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "answer", "asked", "code", "left"),
+    [
+        (["cancel", "--all"], "n\n", True, 1, 3),
+        (["cancel", "--all"], "y\n", True, 0, 0),
+        (["cancel", "--all", "--yes"], "", False, 0, 0),
+        (["cancel", "--tenant", "acme"], "", False, 0, 3),  # not --all: no question
+    ],
+    ids=str,
+)
+def test_cancel_all_asks_on_a_terminal_unless_yes(
+    *,
+    db_engine: sa.Engine,
+    db_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    answer: str,
+    asked: bool,
+    code: int,
+    left: int,
+) -> None:
+    import io
+
+    from enrichq_service import cli_support
+    from enrichq_service.cli import main
+
+    many_queued(db_engine, 3)
+    monkeypatch.setenv("ENRICHQ_DATABASE_URL", db_url)
+    monkeypatch.setattr("sys.stdin", io.StringIO(answer))
+    monkeypatch.setattr(cli_support, "is_terminal", lambda stream: stream is sys.stdin)
+    assert main(args) == code
+    err = capsys.readouterr().err
+    assert ("cancel 3 rows (3 queued) matching --all? [y/N]" in err) == asked
+    if code == 1:
+        assert err.endswith("enrichq: cancel: not confirmed; nothing changed\n")
+    assert open_count(db_engine) == left
+
+
+def test_dlq_discard_all_asks_too(
+    db_engine: sa.Engine,
+    db_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import io
+
+    from enrichq_service import cli_support
+    from enrichq_service.cli import main
+
+    with db_engine.begin() as conn:
+        row(conn, "T-1", "dead_letter")
+    monkeypatch.setenv("ENRICHQ_DATABASE_URL", db_url)
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n"))  # the default is no
+    monkeypatch.setattr(cli_support, "is_terminal", lambda stream: stream is sys.stdin)
+    assert main(["dlq", "discard", "--all"]) == 1
+    assert "dlq discard 1 dead letter matching --all? [y/N]" in capsys.readouterr().err
+    assert seen_from_outside(db_engine, "SELECT count(*) FROM enrichq.queue")[0][0] == 1
+
+
+def test_a_long_run_reports_its_progress_in_plain_lines_when_not_on_a_terminal(
+    db_engine: sa.Engine,
+    db_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from enrichq_service.cli import main
+
+    many_queued(db_engine, 2500)
+    monkeypatch.setenv("ENRICHQ_DATABASE_URL", db_url)
+    assert main(["cancel", "--all"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("2500 rows matched --all: 2500 cancelled")
+    lines = captured.err.splitlines()
+    assert lines, "no progress"
+    assert re.fullmatch(r"enrichq: cancel: 2,500/2,500 rows, [\d,]+ rows/s", lines[-1])
+    assert all(line.startswith("enrichq: cancel: ") for line in lines)

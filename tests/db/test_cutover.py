@@ -7,6 +7,7 @@ import json
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from enrichq_parity.cutover import (
     SHADOW_TABLE,
     VIEW,
     Action,
+    Bars,
     CutoverError,
     CutoverRefused,
     CutoverResult,
@@ -33,12 +35,13 @@ from enrichq_parity.cutover import (
     repoint,
     status,
 )
-from enrichq_parity.model import Approval, Tally, Thresholds
+from enrichq_parity.model import Approval, Coverage, Tally, TenantCoverage, Thresholds
 from enrichq_schema.db import create_engine
 from enrichq_schema.settings import Settings
 from enrichq_service.cli import main
 
 TENANTS = ("acme", "globex", "initech")
+NO_TICKETS = Coverage(())
 TICKETS_PER_TENANT = 3
 BARS = Thresholds(0.995, 0.005, 0.99)
 GOOD = Tally(exact=100, legacy_orders=300, matched_orders=300)
@@ -66,9 +69,12 @@ def add_run(
     age: timedelta = timedelta(minutes=5),
     approved_by: Sequence[str] = ("alice",),
     max_shadow_fault_rate: float | None = 0.005,
+    coverage: Coverage | None = NO_TICKETS,
+    window: timedelta = timedelta(days=7),
 ) -> int:
-    """A finished parity run `age` old, with these per-tenant figures (default: every tenant
-    of the world matching), approved by `approved_by`."""
+    """A finished parity run `age` old over a `window` ending when it ran, with these
+    per-tenant figures (default: every tenant of the world matching) and `coverage`,
+    approved by `approved_by`."""
     per_tenant = dict(tenants if tenants is not None else dict.fromkeys(TENANTS, GOOD))
     whole = sum(per_tenant.values(), Tally())
     report = {
@@ -79,13 +85,18 @@ def add_run(
         sa.text(
             "INSERT INTO enrichq.parity_runs (started_at, finished_at, window_since,"
             " window_until, tickets_compared, order_coverage, ticket_match_rate,"
-            " min_order_coverage, min_ticket_match_rate, max_shadow_fault_rate, passed, report)"
+            " min_order_coverage, min_ticket_match_rate, max_shadow_fault_rate, passed, report,"
+            " data_at, coverage)"
             " VALUES (now() - CAST(:age AS interval), now() - CAST(:age AS interval),"
-            " now() - interval '8 days', now() - interval '1 day', :compared, :cov, :rate,"
-            " 0.995, 0.99, :max_faults, :passed, CAST(:report AS jsonb)) RETURNING id"
+            " now() - CAST(:age AS interval) - CAST(:window AS interval),"
+            " now() - CAST(:age AS interval), :compared, :cov, :rate,"
+            " 0.995, 0.99, :max_faults, :passed, CAST(:report AS jsonb),"
+            " now() - CAST(:age AS interval), CAST(:coverage AS jsonb)) RETURNING id"
         ),
         {
             "age": f"{age.total_seconds()} seconds",
+            "window": f"{window.total_seconds()} seconds",
+            "coverage": None if coverage is None else json.dumps(coverage.as_dict()),
             "compared": whole.compared,
             "cov": whole.order_coverage,
             "rate": whole.ticket_match_rate,
@@ -167,6 +178,7 @@ ALL_SHADOW = dict.fromkeys(TENANTS, "shadow")
 # -- the gate, a pure decision ---------------------------------------------------------------
 
 NOW = datetime(2024, 3, 10, tzinfo=UTC)
+IN_FORCE = Bars(BARS, 24, 7)
 
 
 def gate_run(
@@ -184,6 +196,10 @@ def gate_run(
         total=sum(per_tenant.values(), Tally()),
         tenants=per_tenant,
         approvals=(Approval(7, "alice", NOW - age / 2),) if approved else (),
+        window_since=NOW - age - timedelta(days=7),
+        window_until=NOW - age,
+        data_at=NOW - age,
+        coverage=Coverage(()),
     )
 
 
@@ -198,8 +214,8 @@ UNACCEPTED = Tally(exact=95, legacy_missing=3, extra_only=2, legacy_orders=300, 
         (
             gate_run(tenants={"acme": FAULTY}),
             None,
-            ["parity run #7 did not pass (order coverage 96.67% is below 99.50%; shadow fault "
-             "rate 10.00% is above 0.50% (partial 10))"],
+            ["parity run #7 did not pass for tenant acme (order coverage 96.67% is below "
+             "99.50%; shadow fault rate 10.00% is above 0.50% (partial 10))"],
         ),
         (
             gate_run(tenants={"acme": GOOD, "globex": FAULTY}),
@@ -221,8 +237,11 @@ UNACCEPTED = Tally(exact=95, legacy_missing=3, extra_only=2, legacy_orders=300, 
         (
             gate_run(age=timedelta(hours=24)),
             ["acme"],
-            ["parity run #7 finished 24.0 h ago, older than ENRICHQ_PARITY_MAX_AGE_HOURS (24): "
-             "run `enrichq parity` again"],
+            ["parity run #7 judged tickets created up to 2024-03-09 00:00 UTC, 24.0 h ago, "
+             "older than ENRICHQ_PARITY_MAX_AGE_HOURS (24): run `enrichq parity` again",
+             "parity run #7 read data as of 2024-03-09 00:00 UTC, 24.0 h old, older than "
+             "ENRICHQ_PARITY_MAX_AGE_HOURS (24): run `enrichq parity` on a replica that is "
+             "replaying (or on the primary)"],
         ),
         (
             gate_run(approved=False),
@@ -244,16 +263,98 @@ UNACCEPTED = Tally(exact=95, legacy_missing=3, extra_only=2, legacy_orders=300, 
 def test_the_gate_says_what_is_missing(
     run: GateRun | None, tenants: list[str] | None, refusals: list[str]
 ) -> None:
-    assert gate(run, NOW, 24, tenants) == refusals
+    assert gate(run, NOW, IN_FORCE, tenants) == refusals
+
+
+SEEN = Coverage((TenantCoverage("acme", 10, 0, 10, 20), TenantCoverage("globex", 5, 0, 5, 5)))
+
+
+@pytest.mark.parametrize(
+    ("run", "tenants", "live", "refusals"),
+    [
+        (
+            replace(gate_run(), coverage=None),
+            ["acme"],
+            SEEN,
+            ["parity run #7 was recorded before runs counted every ticket consumers can read: "
+             "run `enrichq parity` again"],
+        ),
+        (
+            replace(gate_run(), window_since=NOW - timedelta(days=1, hours=1)),
+            ["acme"],
+            SEEN,
+            ["parity run #7 covers 1.0 days, shorter than ENRICHQ_PARITY_WINDOW_DAYS (7): run "
+             "`enrichq parity` over the default window"],
+        ),
+        (
+            replace(gate_run(), data_at=NOW - timedelta(hours=30), replica_lag_seconds=108000),
+            ["acme"],
+            SEEN,
+            ["parity run #7 read data as of 2024-03-08 18:00 UTC, 30.0 h old; it read a standby "
+             "108,000 s behind, older than ENRICHQ_PARITY_MAX_AGE_HOURS (24): run `enrichq "
+             "parity` on a replica that is replaying (or on the primary)"],
+        ),
+        (
+            replace(gate_run(), coverage=SEEN),
+            ["acme"],
+            Coverage((TenantCoverage("acme", 12, 2, 10, 20),)),
+            ["2 tickets of tenant acme that consumers can read were never enriched by enrichq "
+             "(all time, not only the parity window): run `enrichq backfill --tenant acme` and "
+             "let the workers drain it"],
+        ),
+        (
+            replace(gate_run(), coverage=SEEN),
+            None,
+            Coverage(
+                (TenantCoverage("acme", 12, 2, 10, 20), TenantCoverage("globex", 6, 1, 5, 5)),
+                legacy_only=4,
+                legacy_only_not_enriched=3,
+            ),
+            ["3 tickets that consumers can read were never enriched by enrichq (acme 2, globex "
+             "1; all time, not only the parity window): run `enrichq backfill` and let the "
+             "workers drain it",
+             "3 tickets with legacy rows are missing from the tickets mirror and were never "
+             "enriched: a whole cutover would hide them (add them to the mirror and run "
+             "`enrichq backfill`, or cut tenants over with --tenant or --exclude-tenant, which "
+             "keeps their legacy rows)"],
+        ),
+        (
+            replace(gate_run(), coverage=SEEN),
+            ["acme"],
+            Coverage((TenantCoverage("acme", 10, 0, 10, 0),)),
+            ["enrichq.ticket_orders holds 0 order rows of 10 enriched tickets of tenant acme, "
+             "fewer than parity run #7 saw (20 order rows of 10): run `enrichq parity` again"],
+        ),
+        (
+            gate_run(thresholds=Thresholds(0.0, 1.0, 0.0), tenants={"acme": FAULTY}),
+            ["acme"],
+            SEEN,
+            ["parity run #7 did not pass for tenant acme (order coverage 96.67% is below "
+             "99.50%; shadow fault rate 10.00% is above 0.50% (partial 10)) by the bars in "
+             "force now; it ran with order coverage ≥ 0.00% and shadow fault rate ≤ 100.00%"],
+        ),
+    ],
+    ids=[
+        "before coverage", "window too short", "data too old", "never enriched",
+        "never enriched, whole, and legacy tickets the mirror lacks", "shadow table emptied",
+        "bars in force now",
+    ],
+)  # fmt: skip
+def test_the_gate_checks_what_the_run_read_against_now(
+    run: GateRun, tenants: list[str] | None, live: Coverage, refusals: list[str]
+) -> None:
+    assert gate(run, NOW, IN_FORCE, tenants, live) == refusals
 
 
 def test_the_gate_names_all_three_when_all_three_are_missing() -> None:
     run = gate_run(tenants={"acme": FAULTY}, age=timedelta(hours=30), approved=False)
-    refusals = gate(run, NOW, 24, ["acme"])
-    assert [r.split(" ")[3] for r in refusals] == ["did", "finished", "is"]
-    assert gate(gate_run(age=timedelta(hours=23, minutes=59)), NOW, 24, ["acme", "globex"]) == []
+    refusals = gate(run, NOW, IN_FORCE, ["acme"])
+    assert [r.split(" ")[3] for r in refusals] == ["did", "judged", "read", "is"]
+    fresh = gate_run(age=timedelta(hours=23, minutes=59))
+    assert gate(fresh, NOW, IN_FORCE, ["acme", "globex"]) == []
     # another tenant's faults do not hold this one back
-    assert gate(gate_run(tenants={"acme": GOOD, "globex": FAULTY}), NOW, 24, ["acme"]) == []
+    faulty = gate_run(tenants={"acme": GOOD, "globex": FAULTY})
+    assert gate(faulty, NOW, IN_FORCE, ["acme"]) == []
 
 
 def test_the_steps_are_a_pure_plan() -> None:
@@ -296,6 +397,10 @@ REFUSED_RUNS: dict[str, tuple[dict[str, object] | None, str]] = {
         "did not pass for tenant acme (order coverage 96.67% is below 99.50%",
     ),
     "stale": ({"age": timedelta(hours=25)}, "older than ENRICHQ_PARITY_MAX_AGE_HOURS (24)"),
+    "window too short": (
+        {"window": timedelta(days=1)},
+        "covers 1.0 days, shorter than ENRICHQ_PARITY_WINDOW_DAYS (7)",
+    ),
     "not approved": ({"approved_by": ()}, "is not approved: review its report, then"),
 }
 
@@ -601,6 +706,12 @@ def test_reading_one_ticket_through_the_view_is_an_index_lookup(
                 "INSERT INTO enrichq.ticket_orders (ticket_id, order_id, looked_up_at, queue_id)"
                 " SELECT 'T-' || g, 'O-' || g || '-' || k, now(), g"
                 " FROM generate_series(1, 20000) AS g, generate_series(1, 3) AS k"
+            )
+        )
+        conn.execute(
+            sa.text(
+                "INSERT INTO enrichq.ticket_enrichments (ticket_id, enriched_at, order_count,"
+                " queue_id) SELECT 'T-' || g, now(), 3, g FROM generate_series(1, 20000) AS g"
             )
         )
         add_run(conn, tenants={f"tenant-{i}": GOOD for i in range(20)})

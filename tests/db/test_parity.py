@@ -458,24 +458,31 @@ def test_a_window_of_young_tickets_says_why(db_engine: sa.Engine, db_url: str) -
     assert (report.total.compared, report.total.too_young) == (0, 3)
     assert not report.passed
     assert report.verdict.reason == (
-        "no tickets compared in the window (3 excluded: too young 3, open queue rows 0): "
-        "nothing to judge"
+        "no tickets compared in the window (3 excluded: too young 3, open queue rows 0, "
+        "not enriched 0): nothing to judge"
     )
 
 
-def test_only_legacy_less_tickets_leave_coverage_undefined(
+def test_tickets_without_legacy_orders_are_judged_by_the_fault_rate(
     db_engine: sa.Engine, db_url: str
 ) -> None:
+    """Coverage of no legacy order is undefined, which is no failure (#27.3): enrichq looked
+    the ticket up and found nothing, as legacy did; one it never looked up is not compared."""
+
     def build(conn: sa.Connection) -> None:
         create_sources(conn)
         add_ticket(conn, "T-1", created_at=DAY1, shadow=[])
+        add_ticket(conn, "T-2", created_at=DAY1)
 
     seed(db_engine, build)
     report = run(db_engine, parity_settings(db_url))
-    assert (report.total.compared, report.total.exact) == (1, 1)
+    assert (report.total.compared, report.total.exact, report.total.not_enriched) == (1, 1, 1)
     assert report.total.order_coverage is None
-    assert not report.passed
-    assert "order coverage is undefined" in report.verdict.reason
+    assert report.passed
+    assert report.verdict.reason.startswith(
+        "order coverage n/a (legacy has no orders for these tickets) and shadow fault rate "
+        "0.00% ≤ 0.50%"
+    )
 
 
 # -- inputs ---------------------------------------------------------------------------------

@@ -175,6 +175,8 @@ def test_the_cli_pauses_lists_and_resumes(
         out = capsys.readouterr()
         return code, out.out, out.err
 
+    with db_engine.begin() as conn:
+        put(conn, "A-1", tenant="acme")
     code, out, _ = run("pause", "--tenant", "acme", "--reason", "warehouse down", "--actor", "o")
     assert (code, out) == (
         0,
@@ -210,6 +212,8 @@ def test_the_cli_pauses_lists_and_resumes(
         (["pause", "--actor", " "], "pause: actor: must be 1 to 200 characters"),
         (["resume", "--all", "--tenant", "acme"], "resume: --all stands alone"),
         (["resume", "--tenant", ""], "resume: --tenant: must be 1 to 200 characters"),
+        (["pause", "--tenant", "acme "], "pause: --tenant: 'acme ' has spaces around it"),
+        (["resume", "--tenant", " acme"], "resume: --tenant: ' acme' has spaces around it"),
     ],
 )
 def test_bad_cli_input_exits_2_with_one_line_and_changes_nothing(
@@ -229,3 +233,45 @@ def test_bad_cli_input_exits_2_with_one_line_and_changes_nothing(
     with db_engine.connect() as conn:
         assert pauses.in_place(conn) == []
         assert audit.recent(conn) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "warned"),
+    [
+        (["pause", "--tenant", "acmee"], True),  # a misspelt tenant: no work of it anywhere
+        (["pause", "--kind", "refresh", "--tenant", "globex"], True),  # no refresh of globex
+        (["pause", "--tenant", "acme"], False),  # has a queued row
+        (["pause", "--kind", "refresh", "--tenant", "initech"], False),  # served today
+        (["pause", "--tenant", "umbrella"], False),  # has a plan
+        (["pause"], False),  # everything
+    ],
+    ids=str,
+)
+def test_pausing_a_scope_never_seen_warns_that_it_may_stop_nothing(
+    *,
+    db_url: str,
+    db_engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    warned: bool,
+) -> None:
+    with db_engine.begin() as conn:
+        put(conn, "A-1", tenant="acme")
+        put(conn, "G-1", tenant="globex")
+        conn.execute(
+            sa.text(
+                "INSERT INTO enrichq.tenant_served (kind, tenant, bucket, served)"
+                " VALUES ('refresh', 'initech', date_trunc('hour', now()), 3)"
+            )
+        )
+        conn.execute(sa.text("INSERT INTO enrichq.tenants (tenant) VALUES ('umbrella')"))
+    monkeypatch.setenv("ENRICHQ_DATABASE_URL", db_url)
+    assert main([*args, "--actor", "o"]) == 0
+    out = capsys.readouterr()
+    assert ("has ever been seen" in out.err) == warned
+    assert out.err.count("\n") == (1 if warned else 0)
+    assert out.out.startswith("paused ")
+    assert ("(none seen so far)" in out.out) == warned
+    with db_engine.connect() as conn:
+        assert len(pauses.in_place(conn)) == 1  # paused all the same

@@ -558,3 +558,90 @@ def test_a_sustained_higher_plan_backlog_never_starves_a_free_ticket(
     else:
         assert served_after is not None
         assert served_after <= bound, f"the free ticket waited {served_after:.0f} s"
+
+
+# -- a row belongs to its ticket's tenant, whatever its kind
+
+
+def test_refresh_work_is_its_tickets_tenants_so_pause_and_cancel_see_it(
+    conn: sa.Connection, cfg: Settings
+) -> None:
+    """The refresh schedule enqueues a stale ticket of acme with acme as its tenant (and
+    acme's plan): with acme paused the claim leaves it alone, and `cancel --tenant acme
+    --dry-run` selects it; an ownerless ticket's refresh stays ownerless."""
+    from enrichq_service.seed import SQL as SEED_SQL
+    from enrichq_sweeper import pauses, refresh
+
+    conn.execute(SEED_SQL("seed_create_helpdesk"))
+    conn.execute(
+        sa.text(
+            "INSERT INTO enrichq.tenants (tenant, plan, priority) VALUES ('acme', 'priority', 2)"
+        )
+    )
+    for key, tenant in (("A-1", "acme"), ("N-1", None)):
+        conn.execute(
+            sa.text(
+                "INSERT INTO helpdesk.tickets (id, requester_email, tenant, created_at, updated_at)"
+                " VALUES (:id, 'a@example.com', :tenant, :at, :at)"
+            ),
+            {"id": key, "tenant": tenant, "at": at(-3600)},
+        )
+        conn.execute(
+            sa.text(
+                "INSERT INTO enrichq.ticket_enrichments (ticket_id, enriched_at, order_count,"
+                " queue_id) VALUES (:id, :at, 0, 1)"
+            ),
+            {"id": key, "at": at(-2 * 86_400)},
+        )
+    page = refresh.enqueue_page(conn, cfg, now=at(0))
+    assert page.inserted == 2
+    rows = {
+        r.key: (r.tenant, r.priority)
+        for r in conn.execute(sa.text("SELECT key, tenant, priority FROM enrichq.queue"))
+    }
+    assert rows == {"A-1": ("acme", 2), "N-1": (None, 1)}
+
+    pauses.pause(conn, pauses.Scope.build(kind=None, tenant="acme"), actor="ops", now=at(0))
+    with conn.begin_nested() as sp:
+        claimed = queue.claim(conn, owner="w", limit=10, lease_seconds=LEASE, now=at(1))
+        sp.rollback()
+    assert [j.key for j in claimed] == ["N-1"]
+
+    selected = controls.select(conn, Filter.build(Scope.OPEN, tenant="acme"), now=at(1))
+    assert [row(conn, i).key for i in selected.ids] == ["A-1"]
+
+
+def test_a_growing_higher_plan_backlog_never_starves_a_free_ticket(
+    conn: sa.Connection, cfg: Settings
+) -> None:
+    """Overload: the priority plan's backlog has been growing for ten minutes and keeps
+    growing (3 rows a second arrive, the claims take 2), so its oldest row ages as fast as
+    the free ticket. The free ticket still waits at most about (plan levels x aging): it
+    meets the backlog at the top level, and there the least-served tenant goes first."""
+    aging = 60.0
+    conn.execute(
+        sa.text(
+            "INSERT INTO enrichq.tenants (tenant, plan, priority)"
+            " VALUES ('vip', 'priority', 2), ('cheap', 'free', 0)"
+        )
+    )
+    old = [EnqueueRequest.build(key=f"vip-old-{i}", tenant="vip") for i in range(1000)]
+    queue.enqueue(conn, old, settings=cfg, now=at(-600))  # the backlog so far, unserved
+    put(conn, cfg, "cheap-0", tenant="cheap", delay_seconds=0)
+    bound = len(Plan) * aging
+    served_after = None
+    for second in range(int(2 * bound)):
+        for n in range(3):
+            put(conn, cfg, f"vip-{second}-{n}", tenant="vip", delay_seconds=second)
+        jobs = queue.claim(
+            conn, owner="w", limit=2, lease_seconds=LEASE, aging_seconds=aging, now=at(second)
+        )
+        if "cheap-0" in {j.key for j in jobs}:
+            served_after = float(second)
+            break
+    backlog = conn.execute(
+        sa.text("SELECT count(*) FROM enrichq.queue WHERE state = 'queued' AND tenant = 'vip'")
+    ).scalar_one()
+    assert backlog > 1000  # it grew while the free ticket waited
+    assert served_after is not None, f"the free ticket waited over {2 * bound:.0f} s"
+    assert served_after <= bound, f"the free ticket waited {served_after:.0f} s"

@@ -28,6 +28,7 @@ from tests.support.plans import (
 from enrichq_schema.db import create_engine
 from enrichq_schema.queries import Queries, load
 from enrichq_schema.states import NOTIFY_CHANNEL, OWNERLESS_PRIORITY
+from enrichq_service import queue
 from enrichq_service.queue import KEY_LOCK_SPACE
 
 QUEUE_SQL = load("enrichq_service", "sql/queue.sql")
@@ -158,13 +159,12 @@ def _settle(history: History) -> dict[str, Any]:
     }
 
 
+CLAIM_KINDS = ["enrich", "refresh"]
 CLAIM_PARAMS = {
-    "kinds": ["enrich", "refresh"],
+    "kinds": CLAIM_KINDS,
     "owner": OWNER,
     "limit": BATCH,
     "lease_seconds": 60.0,
-    "aging_seconds": 600.0,
-    "middle_priority": OWNERLESS_PRIORITY,
     "key_lock_space": KEY_LOCK_SPACE,
     "now": None,
 }
@@ -208,7 +208,9 @@ STATEMENTS: dict[str, tuple[Queries, str, Callable[[History], dict[str, Any]], s
             "channel": NOTIFY_CHANNEL,
             "now": None,
         },
-        {"queue_queued_key_uq"},
+        # a merge finds its queued row through the arbiter of ON CONFLICT (the queued-key
+        # index, not a scan node of the plan): the statement scans no queue rows at all
+        set(),
         False,
     ),
     "sweeper_expired_scan": (
@@ -329,8 +331,12 @@ def _claim_plan_with(conn: sa.Connection, extra_rows_sql: str, generic: bool) ->
 
 
 def _claim_plan(conn: sa.Connection, generic: bool) -> dict[str, Any]:
-    """ANALYZE what the caller's transaction added, then run the claim under EXPLAIN ANALYZE."""
+    """ANALYZE what the caller's transaction added, evaluate the claim-order heads as the
+    claim does first (every due one), then run the claim under EXPLAIN ANALYZE."""
     conn.execute(sa.text("ANALYZE enrichq.queue"))
+    while queue.refresh_heads(conn, kinds=CLAIM_KINDS, pairs=(), aging_seconds=600.0):
+        pass
+    conn.execute(sa.text("ANALYZE enrichq.queue_heads"))
     _, name, params, _, _ = STATEMENTS["claim"]
     sql = QUEUE_SQL[name].sql
     return explain(conn, sql, params(None), analyze=True, generic=generic)  # type: ignore[arg-type]  # the claim's params take no history
@@ -410,16 +416,16 @@ def test_the_generic_probe_plans_without_the_values(history: History) -> None:
         generic = explain(conn, QUEUE_SQL[name].sql, params(history), generic=True)
         custom = explain(conn, QUEUE_SQL[name].sql, params(history))
 
-    # the kinds reach the plan as a parameter: the generic plan cannot know there are two
-    def kinds_estimate(plan: dict[str, Any]) -> list[float]:
-        return [n["Plan Rows"] for n in walk(plan) if n.get("Function Name") == "unnest"]
+    # the batch size reaches the plan as a parameter: the generic plan cannot know it is 50
+    def limit_estimates(plan: dict[str, Any]) -> list[float]:
+        return [n["Plan Rows"] for n in walk(plan) if n["Node Type"] == "Limit"]
 
-    assert kinds_estimate(custom) == [2]
-    assert kinds_estimate(generic)
-    assert kinds_estimate(generic) != [2]
+    assert limit_estimates(custom)
+    assert max(limit_estimates(custom)) <= BATCH
+    assert limit_estimates(generic) != limit_estimates(custom)
 
 
-# -- the claim's cost follows the tenants with visible work, not every tenant with history
+# -- the claim's cost follows the batch, not the tenants with history or with queued rows
 
 HISTORY_TENANTS = (
     "INSERT INTO enrichq.tenant_served (kind, tenant, bucket, served)"
@@ -429,22 +435,49 @@ HISTORY_TENANTS = (
 
 
 @PLANS
-def test_claim_reads_the_served_counts_of_the_tenants_with_work_only(
+def test_claim_reads_no_served_counts_of_tenants_with_history(
     history: History, generic: bool
 ) -> None:
-    """5,000 tenants served over the last 48 hours, 4 (kind, tenant) pairs with visible
-    work: the claim reads at most the 25 hourly buckets of each pair with work."""
+    """5,000 tenants served over the last 48 hours: the claim reads none of their counts
+    (the heads carry the served count of each pair with work; it only adds its own)."""
     with history.engine.connect() as conn, conn.begin() as tx:
         conn.execute(sa.text(HISTORY_TENANTS), {"tenants": 5000})
         conn.execute(sa.text("ANALYZE enrichq.tenant_served"))
         plan = _claim_plan(conn, generic)
         tx.rollback()
-    served = scans_of(plan, "tenant_served")
-    assert served, "the claim no longer reads the served counts"
-    assert all(n["Node Type"] != "Seq Scan" for n in served), served
-    pairs_with_work = 8  # enrich and refresh, times acme, globex, initech, ownerless
-    rows, _ = work(plan, lambda name: True, relation="tenant_served")
-    assert rows <= 25 * pairs_with_work, f"read {rows:.0f} served buckets"
+    assert scans_of(plan, "tenant_served") == []
+    assert scans_of(plan, "queue_heads"), "the claim no longer reads the heads"
+
+
+# 5,000 tenants, one queued row each: visible a minute ago, or in 10 minutes
+SPREAD = (
+    "INSERT INTO enrichq.queue (kind, key, tenant, priority, reason, visible_at, max_attempts)"
+    " SELECT 'enrich', 'S-' || g, 'spread-' || g, 1, 'created',"
+    "  now() + make_interval(secs => :offset), 5"
+    " FROM generate_series(1, 5000) AS g"
+)
+
+
+@PLANS
+@pytest.mark.parametrize("offset", [-60, 600], ids=["visible", "not-visible-yet"])
+def test_claim_reads_a_few_heads_whatever_the_tenants_with_queued_rows(
+    history: History, generic: bool, offset: int
+) -> None:
+    """5,000 more tenants with a queued row each, visible or not: the claim reads about a
+    batch of heads and a batch of queued rows, not one probe per tenant (issue 26)."""
+    with history.engine.connect() as conn, conn.begin() as tx:
+        conn.execute(sa.text(SPREAD), {"offset": offset})
+        plan = _claim_plan(conn, generic)
+        leased = conn.execute(
+            sa.text("SELECT count(*) FROM enrichq.queue WHERE state = 'leased'")
+        ).scalar_one()
+        tx.rollback()
+    rows, _ = work(plan, lambda name: name == "queue_claim_idx")
+    assert rows <= 4 * BATCH, f"the claim read {rows:.0f} queued rows to lease {BATCH}"
+    heads, _ = work(plan, lambda name: True, relation="queue_heads")
+    assert heads <= 2 * BATCH + 10, f"the claim read {heads:.0f} heads to lease {BATCH}"
+    assert all(n["Node Type"] != "Seq Scan" for n in scans_of(plan, "queue_heads"))
+    assert leased > 200  # it did lease a batch beside the fixture's leases
 
 
 # -- what a scrape reads: open rows through their indexes, terminal rows from the counts

@@ -257,13 +257,71 @@ def test_redrive_cli_dry_run_reports_and_changes_nothing(
     )
     out = capsys.readouterr().out
     assert out.splitlines()[0] == (
-        "3 dead letters match --all; would redrive them (dry run: nothing changed)"
+        "3 dead letters match --all; would redrive 2 and merge 1 (left dead: their ticket has"
+        " a newer match or a queued row) (dry run: nothing changed)"
     )
     shown = [int(m) for m in re.findall(r"^│\s*(\d+) │", out, re.MULTILINE)]
-    assert shown == [a, b, c]  # the sample, in lock order
+    assert shown == [c, b, a]  # the sample, a ticket's dead letters together, newest first
     with db_engine.connect() as conn:
         assert conn.execute(sa.select(queue).order_by(queue.c.id)).all() == before
         assert conn.execute(sa.text("SELECT count(*) FROM enrichq.audit_log")).scalar() == 0
+
+
+def test_a_redrive_dry_run_says_what_the_run_then_does_in_text_and_json(
+    db_engine: sa.Engine,
+    db_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Four dead letters, one redriven: two of a ticket (the older merges into the newer),
+    and one of a ticket that has a queued row (it merges into that row)."""
+    from enrichq_service.cli import main
+
+    with db_engine.begin() as conn:
+        dead(conn, "T-1")
+        dead(conn, "T-1")
+        dead(conn, "T-2", "superseded")
+        queued(conn, "T-2")
+        dead(conn, "T-3", "cancelled", kind="refresh")
+        dead(conn, "T-3", "cancelled", kind="refresh")
+        queued(conn, "T-3")  # of kind enrich: not the refresh rows' ticket-and-kind
+    monkeypatch.setenv("ENRICHQ_DATABASE_URL", db_url)
+    assert main(["dlq", "redrive", "--all", "--dry-run"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "5 dead letters match --all; would redrive 2 and merge 3 (left dead: their ticket has"
+        " a newer match or a queued row) (dry run: nothing changed)"
+    )
+    assert main(["dlq", "redrive", "--all", "--dry-run", "--json"]) == 0
+    would = json.loads(capsys.readouterr().out)
+    assert (would["dry_run"], would["counts"], would["affected"]) == (
+        True,
+        {"redriven": 2, "merged": 3},
+        2,
+    )
+    assert main(["dlq", "redrive", "--all", "--json"]) == 0
+    did = json.loads(capsys.readouterr().out)
+    assert (did["dry_run"], did["counts"], did["affected"]) == (False, would["counts"], 2)
+
+
+def test_a_selection_read_in_pages_keeps_a_tickets_newest_dead_letter_as_its_winner(
+    db_engine: sa.Engine,
+) -> None:
+    """Pages of two rows: T-1's three dead letters span two pages, and only its newest is
+    redriven; the selection is the same whatever the page size."""
+    with db_engine.begin() as conn:
+        t1 = [dead(conn, "T-1") for _ in range(3)]
+        t2 = dead(conn, "T-2")
+        t0 = dead(conn, "T-0")
+    flt = Filter.build(Scope.DEAD, all_rows=True)
+    with db_engine.connect() as conn:
+        whole = controls.select(conn, flt)
+        paged = controls.select(conn, flt, page_size=2)
+    assert list(paged.ids) == list(whole.ids) == [t2, *reversed(t1), t0]
+    assert list(paged.winners) == list(whole.winners) == [t2, t1[2], t1[2], t1[2], t0]
+    result = controls.run(db_engine, AuditCommand.DLQ_REDRIVE, flt, actor="ops", page_size=2)
+    assert result.counts == {"redriven": 3, "merged": 2}
+    with db_engine.connect() as conn:
+        assert [get(conn, i).state for i in t1] == ["dead_letter", "dead_letter", "queued"]
 
 
 def test_redrive_cli_commits_reports_and_audits(

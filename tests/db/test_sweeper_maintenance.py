@@ -251,7 +251,7 @@ def test_refresh_enqueues_recent_tickets_whose_enrichment_is_stale(
         ).all()
     assert [r.key for r in rows] == ["stale"]
     for r in rows:
-        assert (r.state, r.reason, r.tenant, r.priority) == ("queued", "refresh", None, 1)
+        assert (r.state, r.reason, r.tenant, r.priority) == ("queued", "refresh", "acme", 1)
         assert (r.attempts, r.max_attempts, r.visible_at) == (0, 7, T0)
     # a second pass finds it queued already
     assert refresh.run_once(db_engine, settings, now=T0) == 0

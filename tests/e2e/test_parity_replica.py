@@ -56,6 +56,8 @@ def same(report: dict[str, Any]) -> dict[str, Any]:
     """The report without what differs between any two runs (their id, times and clock)."""
     kept = {k: v for k, v in report.items() if k not in RUN_FIELDS}
     kept["window"] = {k: v for k, v in report["window"].items() if k in ("since", "until")}
+    # where it read (the primary, or a standby and its lag) and the data time it read as of
+    kept["sources"] = {k: v for k, v in report["sources"].items() if k != "read_side"}
     return kept
 
 
@@ -173,3 +175,76 @@ def now_of(engine_or_conn: sa.Engine | sa.Connection) -> datetime:
             return now_of(conn)
     value: datetime = engine_or_conn.execute(sa.text("SELECT now()")).scalar_one()
     return value
+
+
+def test_a_run_on_a_paused_standby_does_not_gate_a_cutover(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before (#27.5): a run on a standby whose replay was paused passed, became the latest
+    run and gated a cutover, whatever the age of the data it read. Now the run records its
+    data time and the standby's lag, the report shows them, and the gate refuses data older
+    than ENRICHQ_PARITY_MAX_AGE_HOURS."""
+    from enrichq_service.cli import main
+
+    cluster.require()
+    max_age_seconds = 6.0
+    with cluster.cluster() as c:
+        primary_url = ensure_database(c.primary.url(), "enrichq")
+        migrate(primary_url)
+        standby_url = c.standby.url("enrichq")
+        primary = c.engine(primary_url)
+        standby = c.engine(standby_url)
+        with primary.begin() as conn:
+            now = conn.execute(sa.text("SELECT now()")).scalar_one()
+            parity_world.create_sources(conn)
+            for i in range(5):
+                parity_world.add_ticket(
+                    conn, f"T-{i}", created_at=now - timedelta(days=2), legacy=[f"O{i}"],
+                    shadow=[f"O{i}"],
+                )  # fmt: skip
+        c.wait_caught_up("enrichq")
+        with standby.connect() as conn:
+            conn.execute(sa.text("SELECT pg_wal_replay_pause()"))
+            conn.commit()
+        paused_at = now_of(primary)
+        wait_for(
+            lambda: now_of(primary) >= paused_at + timedelta(seconds=max_age_seconds + 1),
+            timeout=60,
+            interval=0.2,
+            what="the standby's data to grow older than the bound",
+        )
+        settings = {"max_age_hours": max_age_seconds / 3600}
+        env = enrichq_env(
+            primary_url,
+            parity_database_url=standby_url,
+            parity_max_age_hours=settings["max_age_hours"],
+        )
+        report = parity(env, tmp_path / "s.json", now - timedelta(days=8), now + timedelta(days=1))
+        assert report["exit"] == 0, report["verdict"]
+        with primary.begin() as conn:
+            conn.execute(
+                sa.text(
+                    "INSERT INTO enrichq.parity_approvals (parity_run_id, approved_by, reviewer_key)"
+                    " VALUES (:id, 'alice', 'alice')"
+                ),
+                {"id": report["run_id"]},
+            )
+        monkeypatch.setenv("ENRICHQ_DATABASE_URL", primary_url)
+        monkeypatch.setenv("ENRICHQ_PARITY_MAX_AGE_HOURS", str(settings["max_age_hours"]))
+        assert main(["cutover", "--tenant", "acme"]) == 1
+        err = capsys.readouterr().err
+        assert f"parity run #{report['run_id']} read data as of" in err
+        assert "it read a standby" in err
+        # the report and the run say how far behind the standby was
+        assert report["sources"]["read_side"].startswith("a standby ")
+        with primary.connect() as conn:
+            lag = conn.execute(
+                sa.text("SELECT replica_lag_seconds FROM enrichq.parity_runs WHERE id = :id"),
+                {"id": report["run_id"]},
+            ).scalar_one()
+        assert lag >= max_age_seconds
+        with standby.connect() as conn:
+            conn.execute(sa.text("SELECT pg_wal_replay_resume()"))
+            conn.commit()
+        primary.dispose()
+        standby.dispose()

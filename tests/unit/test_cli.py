@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import subprocess
@@ -32,6 +33,7 @@ COMMANDS = [
     ["parity", "runs"],
     ["parity", "show"],
     ["cutover"],
+    ["backfill"],
     ["demo"],
 ]
 
@@ -55,6 +57,7 @@ def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
     for name in ("migrate", "serve", "worker", "sweep", "enqueue", "status", "dlq", "parity"):
         assert name in out
     assert "cutover" in out
+    assert "backfill" in out
     assert "demo" in out
     for name in ("cancel", "pause", "resume", "audit"):
         assert name in out
@@ -291,3 +294,43 @@ def test_an_infinite_number_in_the_config_file_is_refused(tmp_path: Path) -> Non
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert "ENRICHQ_DELAY_CREATED_SECONDS" in lines[0]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_long_run_on_a_terminal_shows_a_bar_with_rows_done_and_rate() -> None:
+    from enrichq_schema.states import AuditCommand
+    from enrichq_service.cli_support import Progress
+    from enrichq_sweeper.controls import ActionResult
+    from enrichq_sweeper.filters import Filter, Scope
+
+    screen = _Terminal()
+    progress = Progress("cancel", batch_size=10, stream=screen)
+    flt = Filter.build(Scope.OPEN, all_rows=True)
+    progress.start(ActionResult(AuditCommand.CANCEL, flt, 25, {}, 0, True))
+    for n in (1, 2, 3):
+        progress.batch(n, {"queued": min(10 * n, 25)})
+    progress.stop()
+    shown = screen.getvalue()
+    assert "25/25" in shown
+    assert "rows/s" in shown
+    assert "enrichq: cancel:" not in shown  # the bar, not plain lines
+
+
+def test_a_run_of_one_batch_shows_no_progress() -> None:
+    from enrichq_schema.states import AuditCommand
+    from enrichq_service.cli_support import Progress
+    from enrichq_sweeper.controls import ActionResult
+    from enrichq_sweeper.filters import Filter, Scope
+
+    screen = _Terminal()
+    progress = Progress("cancel", batch_size=10, stream=screen)
+    progress.start(
+        ActionResult(AuditCommand.CANCEL, Filter.build(Scope.OPEN, all_rows=True), 9, {}, 0, True)
+    )
+    progress.batch(1, {"queued": 9})
+    progress.stop()
+    assert screen.getvalue() == ""

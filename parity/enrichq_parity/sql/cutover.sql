@@ -35,8 +35,9 @@ ORDER BY 1, 2
 
 -- name: cutover_gate_run
 -- The latest finished parity run, as the gate judges it: its bars, its counts over every
--- ticket and per tenant (not its samples).
+-- ticket and per tenant (not its samples), its window, what it read and when.
 SELECT id, finished_at, min_order_coverage, max_shadow_fault_rate, min_ticket_match_rate,
+       window_since, window_until, data_at, replica_lag_seconds, coverage,
        report -> 'total' AS total, report -> 'tenants' AS tenants
 FROM enrichq.parity_runs
 WHERE finished_at IS NOT NULL

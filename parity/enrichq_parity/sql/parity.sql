@@ -99,6 +99,7 @@ summary AS MATERIALIZED (
     SELECT d.tenant,
            count(*) FILTER (WHERE d.excluded = 'too_young') AS too_young,
            count(*) FILTER (WHERE d.excluded = 'open_queue_rows') AS open_queue_rows,
+           count(*) FILTER (WHERE d.excluded = 'not_enriched') AS not_enriched,
            count(*) FILTER (WHERE c.same) AS exact,
            coalesce(sum(c.shadow_orders) FILTER (WHERE c.same), 0) AS exact_orders,
            array_agg(d.ticket_id) FILTER (WHERE NOT c.same) AS differing_ids,
@@ -113,6 +114,15 @@ summary AS MATERIALIZED (
                CASE
                    WHEN t.created_at > CAST(:young_after AS timestamptz) THEN 'too_young'
                    WHEN o.key IS NOT NULL THEN 'open_queue_rows'
+                   -- never looked up by enrichq, no legacy order: two empty sides are no
+                   -- match, nothing was compared
+                   WHEN NOT EXISTS (
+                            SELECT 1 FROM enrichq.ticket_enrichments AS e
+                            WHERE e.ticket_id = CAST(t.id AS text))
+                        AND NOT EXISTS (
+                            SELECT 1 FROM {legacy} AS l
+                            WHERE l.ticket_id = CAST(t.id AS text) AND l.order_id IS NOT NULL)
+                       THEN 'not_enriched'
                END AS excluded
         FROM {tickets} AS t
         LEFT JOIN open_keys AS o ON o.key = CAST(t.id AS text)
@@ -326,6 +336,11 @@ SELECT 'excluded', tenant, 'open_queue_rows', NULL, open_queue_rows, 0, 0, 0, 0,
 FROM summary
 WHERE open_queue_rows > 0
 UNION ALL
+SELECT 'excluded', tenant, 'not_enriched', NULL, not_enriched, 0, 0, 0, 0, 0, 0, 0,
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+FROM summary
+WHERE not_enriched > 0
+UNION ALL
 SELECT 'class', tenant, ticket_class, NULL, count(*), count(accepted_by),
        sum(legacy_orders), sum(matched_orders), sum(missing_orders), sum(extra_orders),
        sum(drift_orders), sum(unverified_orders),
@@ -364,6 +379,51 @@ FROM marked
 WHERE ticket_class <> 'exact' AND CAST(:export AS boolean)
 ORDER BY row_kind, ticket_id
 
+-- name: parity_coverage
+-- Every ticket consumers can read through the view, all time: per tenant of {tickets}
+-- ('' = none) its tickets, those created before :young_after that enrichq never enriched,
+-- the tickets enrichq enriched and its order rows; then one row (tenant NULL) for the
+-- tickets with rows in {legacy} that {tickets} lacks, and how many of them enrichq never
+-- enriched (only when :legacy_only: the costliest pass, which only a whole cutover needs;
+-- else that row says 0). One pass over each table, hashed: once per parity run and cutover.
+WITH mirror AS (
+    SELECT coalesce(CAST(t.tenant AS text), '') AS tenant,
+           count(*) AS tickets,
+           count(*) FILTER (
+               WHERE e.ticket_id IS NULL AND t.created_at <= CAST(:young_after AS timestamptz)
+           ) AS not_enriched,
+           count(e.ticket_id) AS enriched
+    FROM {tickets} AS t
+    LEFT JOIN enrichq.ticket_enrichments AS e ON e.ticket_id = CAST(t.id AS text)
+    GROUP BY 1
+),
+shadow AS (
+    SELECT coalesce(CAST(t.tenant AS text), '') AS tenant, count(*) AS shadow_orders
+    FROM enrichq.ticket_orders AS s
+    JOIN {tickets} AS t ON CAST(t.id AS text) = s.ticket_id
+    GROUP BY 1
+),
+legacy_only AS (
+    SELECT l.ticket_id,
+           EXISTS (
+               SELECT 1 FROM enrichq.ticket_enrichments AS e WHERE e.ticket_id = l.ticket_id
+           ) AS enriched
+    FROM (
+        SELECT DISTINCT CAST(x.ticket_id AS text) AS ticket_id
+        FROM {legacy} AS x
+        WHERE CAST(:legacy_only AS boolean)
+    ) AS l
+    WHERE NOT EXISTS (SELECT 1 FROM {tickets} AS t WHERE CAST(t.id AS text) = l.ticket_id)
+)
+SELECT m.tenant, m.tickets, m.not_enriched, m.enriched,
+       coalesce(s.shadow_orders, 0) AS shadow_orders
+FROM mirror AS m
+LEFT JOIN shadow AS s ON s.tenant = m.tenant
+UNION ALL
+SELECT NULL, count(*), count(*) FILTER (WHERE NOT enriched), count(*) FILTER (WHERE enriched), 0
+FROM legacy_only
+ORDER BY 1 NULLS LAST
+
 -- name: parity_run_start
 -- Opens an enrichq.parity_runs row (finished_at NULL until the run ends); returns its id.
 INSERT INTO enrichq.parity_runs (
@@ -395,6 +455,9 @@ SET finished_at = coalesce(CAST(:now AS timestamptz), clock_timestamp()),
     legacy_faults = :legacy_faults,
     accepted_legacy_faults = :accepted_legacy_faults,
     passed = :passed,
+    data_at = :data_at,
+    replica_lag_seconds = :replica_lag_seconds,
+    coverage = CAST(:coverage AS jsonb),
     report = CAST(:report AS jsonb)
 WHERE id = :id
 RETURNING finished_at

@@ -3,7 +3,8 @@
 -- name: review_run_for_approval
 -- The run :id as an approval judges it (locked against a concurrent delete); none: unknown.
 SELECT id, finished_at, passed, max_shadow_fault_rate, min_order_coverage,
-       min_ticket_match_rate, report -> 'total' AS total, report ->> 'error' AS error
+       min_ticket_match_rate, report -> 'total' AS total, report -> 'tenants' AS tenants,
+       report ->> 'error' AS error
 FROM enrichq.parity_runs
 WHERE id = :id
 FOR SHARE

@@ -15,8 +15,9 @@
 
 -- name: queue_enqueue
 -- One queued row per input unless (kind, key) is queued already (merge, via the partial
--- unique index); returns every input with the id of the row it inserted or merged into,
--- and sends NOTIFY when something became visible now.
+-- unique index: the queued row is kept and its merged_at set); returns every input with the
+-- id of the row it inserted or merged into, and sends NOTIFY when something became visible
+-- now.
 WITH input AS (
     SELECT *
     FROM unnest(
@@ -25,9 +26,19 @@ WITH input AS (
         CAST(:max_attempts AS int[])
     ) WITH ORDINALITY AS i(kind, key, tenant, reason, payload, delay_s, max_attempts, ord)
 ),
+-- the first input of each (kind, key): one statement may not insert or merge into a row
+-- twice; a later input of the same ticket merges into what the first one did
+firsts AS (
+    SELECT DISTINCT ON (i.kind, i.key) i.*
+    FROM input AS i
+    ORDER BY i.kind, i.key, i.ord
+),
 -- in the global lock order, so two batches of the same keys wait for each other's inserts
 -- in one order and never deadlock; the row records its tenant's plan priority at enqueue
--- (ownerless or unknown tenants: the middle plan), the claim reads the plan when it claims
+-- (ownerless or unknown tenants: the middle plan), the claim reads the plan when it claims.
+-- A merge locks the queued row and marks it (merged_at): a cancel that selected the row
+-- before then leaves it queued, and one that locked it first makes this insert a new row
+-- once it commits (the conflict is checked again), so no event is lost to a cancel.
 inserted AS (
     INSERT INTO enrichq.queue AS q
         (kind, key, tenant, priority, reason, payload, visible_at, max_attempts)
@@ -35,100 +46,96 @@ inserted AS (
            i.reason, i.payload,
            coalesce(CAST(:now AS timestamptz), now()) + make_interval(secs => i.delay_s),
            i.max_attempts
-    FROM input AS i
+    FROM firsts AS i
     LEFT JOIN enrichq.tenants AS t ON t.tenant = i.tenant
     ORDER BY i.key COLLATE "C", i.kind COLLATE "C", i.ord
-    ON CONFLICT DO NOTHING
-    RETURNING q.id, q.kind, q.key, q.visible_at
+    ON CONFLICT (kind, key) WHERE state = 'queued'
+    DO UPDATE SET merged_at = coalesce(CAST(:now AS timestamptz), now())
+    RETURNING q.id, q.kind, q.key, q.visible_at, (q.xmax = 0) AS fresh
 ),
 -- wake LISTENing workers once per kind that has work visible now
 notified AS (
     SELECT count(pg_notify(:channel, k.kind)) AS n
     FROM (
         SELECT DISTINCT kind FROM inserted
-        WHERE visible_at <= coalesce(CAST(:now AS timestamptz), now())
+        WHERE fresh AND visible_at <= coalesce(CAST(:now AS timestamptz), now())
     ) AS k
 )
--- a merged input's row is found through the queued-key index, one probe per merge
-SELECT i.ord, i.kind, i.key, ins.id AS inserted_id,
-       CASE WHEN ins.id IS NULL THEN (
-           SELECT e.id FROM enrichq.queue AS e
-           WHERE e.state = 'queued' AND e.kind = i.kind AND e.key = i.key
-       ) END AS merged_id
+SELECT i.ord, i.kind, i.key,
+       CASE WHEN ins.fresh THEN ins.id END AS inserted_id,
+       CASE WHEN NOT ins.fresh THEN ins.id END AS merged_id
 FROM input AS i
 CROSS JOIN notified
 LEFT JOIN inserted AS ins ON ins.kind = i.kind AND ins.key = i.key
 ORDER BY i.ord;
 
 
+-- name: queue_heads_refresh
+-- Evaluates again the heads (enrichq.queue_heads) of the pairs (:pair_kinds[i],
+-- :pair_tenants[i]) and up to :due_batch heads of :kinds that are due, skipping any another
+-- transaction holds; returns how many it evaluated. The claim calls it before it ranks the
+-- pairs (so the levels are those of :now) and after, for the pairs it took rows from.
+SELECT enrichq.queue_heads_refresh(
+    CAST(:kinds AS text[]), CAST(:pair_kinds AS text[]), CAST(:pair_tenants AS text[]),
+    coalesce(CAST(:now AS timestamptz), now()), CAST(:aging_seconds AS float8),
+    CAST(:top_priority AS int), CAST(:middle_priority AS int), CAST(:due_batch AS int),
+    CAST(:recheck_seconds AS float8)
+) AS evaluated;
+
+
 -- name: queue_claim_batch prepared
 -- Leases up to :limit visible rows of the kinds :kinds to :owner and returns them, each
 -- with the claim token that fences its later writes. Order (DESIGN §3, fairness), across
--- kinds: the tenant's plan priority (ownerless work counts as the middle plan, whatever
--- its kind) plus one level per :aging_seconds its oldest visible row has waited; then the
--- (kind, tenant) served least in the last day (claims count as served, so in-flight work
--- counts); then oldest visible first. Never a key that has a lease, of any kind: committed
--- (the leased-key probe), being claimed by another transaction right now (the key's
--- try-lock), or committed after this statement's snapshot (the leased-key index refuses
--- the second lease: the caller claims again). Never a (kind, tenant) an operator paused
+-- kinds, per (kind, tenant) as its head says (enrichq.queue_heads, evaluated by
+-- queue_heads_refresh just before): the tenant's plan priority (ownerless work counts as
+-- the middle plan, whatever its kind) plus one level per aging period its oldest visible
+-- row has waited, at most the top plan's, so no row waits more than about (plan levels ×
+-- aging) behind a higher plan's backlog, however fast that grows; then the (kind, tenant)
+-- served least in the last day (claims count as served, so in-flight work counts); then
+-- oldest visible first; backfill work last of all (its head is a level below every plan and
+-- never ages). Never a key that has a lease, of any kind: committed (the
+-- leased-key probe), being claimed by another transaction right now (the key's try-lock),
+-- or committed after this statement's snapshot (the leased-key index refuses the second
+-- lease: the caller claims again). Never a (kind, tenant) an operator paused
 -- (enrichq.pauses). Attempts + 1 at claim time.
-WITH RECURSIVE walk(kind, tenant) AS (
-    -- loose index scans on queue_claim_idx: each (kind, tenant) with queued rows,
-    -- O(kinds · tenants · log n) whatever the size of the backlog or the history
-    SELECT k.kind,
-           (SELECT coalesce(q.tenant, '') FROM enrichq.queue AS q
-            WHERE q.state = 'queued' AND q.kind = k.kind
-            ORDER BY coalesce(q.tenant, '') LIMIT 1)
-    FROM unnest(CAST(:kinds AS text[])) AS k (kind)
-    UNION ALL
-    SELECT w.kind,
-           (SELECT coalesce(q.tenant, '') FROM enrichq.queue AS q
-            WHERE q.state = 'queued' AND q.kind = w.kind
-              AND coalesce(q.tenant, '') > w.tenant
-            ORDER BY coalesce(q.tenant, '') LIMIT 1)
-    FROM walk AS w
-    WHERE w.tenant IS NOT NULL
-),
-clock AS (
+WITH RECURSIVE clock AS (
     SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
 ),
--- the (kind, tenant) pairs with visible work, in claim order; the nested loop below visits
--- them in this order and stops as soon as the batch is full. Each pair reads its own
--- served counts (at most 25 hourly buckets): the claim's cost follows the tenants with
--- visible work, never every tenant with history.
-ranked AS MATERIALIZED (
-    SELECT row_number() OVER (ORDER BY v.level DESC, s.served, v.oldest, w.kind, w.tenant)
-               AS place,
-           w.kind, w.tenant
+-- the pairs with visible work, best first: a walk of the heads' order index, one entry a
+-- step (every term ascending: levels behind the top, served, oldest). The nested loop below
+-- pulls the steps one by one and stops as soon as the batch is full, so a claim reads a
+-- few heads whatever the number of tenants with queued rows, visible or not
+walk AS (
+    (SELECT h.behind, h.served, h.oldest, h.kind, h.tenant
+     FROM enrichq.queue_heads AS h
+     WHERE h.behind IS NOT NULL
+     ORDER BY h.behind, h.served, h.oldest, h.kind, h.tenant
+     LIMIT 1)
+    UNION ALL
+    SELECT n.behind, n.served, n.oldest, n.kind, n.tenant
     FROM walk AS w
-    CROSS JOIN clock
     CROSS JOIN LATERAL (
-        SELECT o.oldest,
-               coalesce((SELECT t.priority FROM enrichq.tenants AS t
-                         WHERE t.tenant = w.tenant AND w.tenant <> ''), :middle_priority)
-               + floor(CAST(extract(epoch FROM clock.now - o.oldest) AS float8)
-                       / CAST(:aging_seconds AS float8)) AS level
-        FROM (SELECT q.visible_at AS oldest FROM enrichq.queue AS q
-              WHERE q.state = 'queued' AND q.kind = w.kind
-                AND coalesce(q.tenant, '') = w.tenant AND q.visible_at <= clock.now
-              ORDER BY q.visible_at LIMIT 1) AS o
-    ) AS v
-    CROSS JOIN LATERAL (
-        SELECT coalesce(sum(b.served), 0) AS served
-        FROM enrichq.tenant_served AS b
-        WHERE b.kind = w.kind AND b.tenant = w.tenant
-          AND b.bucket > clock.now - interval '1 day'
-    ) AS s
-    WHERE w.tenant IS NOT NULL
+        SELECT h.behind, h.served, h.oldest, h.kind, h.tenant
+        FROM enrichq.queue_heads AS h
+        WHERE h.behind IS NOT NULL
+          AND (h.behind, h.served, h.oldest, h.kind, h.tenant)
+              > (w.behind, w.served, w.oldest, w.kind, w.tenant)
+        ORDER BY h.behind, h.served, h.oldest, h.kind, h.tenant
+        LIMIT 1
+    ) AS n
+),
+ranked AS (
+    SELECT w.behind, w.served, w.oldest, w.kind, w.tenant
+    FROM walk AS w
+    WHERE w.kind = ANY(CAST(:kinds AS text[]))
       -- paused by an operator (`enrichq pause`): skipped before any of its rows is read
       AND NOT EXISTS (
           SELECT 1 FROM enrichq.pauses AS p
           WHERE (p.kind IS NULL OR p.kind = w.kind)
             AND (p.tenant IS NULL OR p.tenant = w.tenant))
-    ORDER BY place
 ),
 picked AS (
-    SELECT r.place, c.id, c.key, c.visible_at
+    SELECT r.behind, r.served, r.oldest, r.kind, r.tenant, c.id, c.key, c.visible_at
     FROM ranked AS r
     CROSS JOIN clock
     CROSS JOIN LATERAL (
@@ -158,7 +165,7 @@ picked AS (
 chosen AS (
     SELECT DISTINCT ON (p.key) p.id
     FROM picked AS p
-    ORDER BY p.key, p.place, p.visible_at
+    ORDER BY p.key, p.behind, p.served, p.oldest, p.kind, p.tenant, p.visible_at
 ),
 claimed AS (
     UPDATE enrichq.queue AS q

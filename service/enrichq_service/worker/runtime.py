@@ -55,7 +55,7 @@ from enrichq_service.worker.settler import Settlement, Settler
 
 log = logging.getLogger(__name__)
 
-KINDS: tuple[str, ...] = (Kind.ENRICH.value, Kind.REFRESH.value)
+KINDS: tuple[str, ...] = (Kind.ENRICH.value, Kind.REFRESH.value, Kind.BACKFILL.value)
 # Freed slots are gathered before claiming again: until half are free or the first has
 # waited this long. Claiming the moment one slot frees would shrink every claim and every
 # settle to a job or two, each paying its own round trips; a slow job loses at most this.

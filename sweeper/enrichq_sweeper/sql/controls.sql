@@ -3,11 +3,12 @@
 -- queued), all chosen by one filter (enrichq_sweeper.filters). Every statement takes :now
 -- (NULL = the database clock).
 --
--- An action reads the ids its filter matches once (controls_select_*), in lock order, then
--- works them in batches of its own transactions (controls_*_batch). Each batch checks its
--- rows against the scope and the filter again under the lock, so a row that changed in the
--- meantime (settled, claimed, redriven by someone else) is acted on only if it still
--- matches.
+-- An action reads the ids its filter matches once, page by page in one snapshot
+-- (controls_page_*: each page a short statement walking a partial index from a cursor, so
+-- no statement grows with the number of matches), then works them in batches of its own
+-- transactions (controls_*_batch). Each batch checks its rows against the scope and the
+-- filter again under the lock, so a row that changed in the meantime (settled, claimed,
+-- redriven by someone else) is acted on only if it still matches.
 --
 -- Lock order: every multi-row writer of enrichq.queue locks its rows in the order
 -- (key, kind, id), keys and kinds compared byte by byte (COLLATE "C": the same on every
@@ -51,45 +52,125 @@ AND (CAST(:older_than_seconds AS float8) IS NULL
                         - make_interval(secs => CAST(:older_than_seconds AS float8)))
 
 
--- name: controls_select_open
--- The queued and leased rows matching the filter: their ids in lock order, and how many of
--- each state. Each state is read through its own partial index, never the history.
-WITH matched AS (
-    SELECT q.id, q.key, q.kind, q.state
+-- name: controls_page_queued
+-- The next :page_size queued rows matching the filter after the cursor (:after_kind,
+-- :after_key; NULL: from the start), in the order of the queued-key index, which the page
+-- walks: a page reads the rows it returns (and those its filter skips), never the history.
+-- One row: their ids in that order, how many, and the last one's (kind, key), the cursor.
+-- (Rows are numbered in the index's order, so nothing sorts their text again.)
+WITH page AS (
+    SELECT q.id, q.kind, q.key, row_number() OVER (ORDER BY q.kind, q.key) AS n
     FROM enrichq.queue AS q
     WHERE q.state = 'queued'
+      AND (CAST(:after_key AS text) IS NULL
+           OR (q.kind, q.key) > (CAST(:after_kind AS text), CAST(:after_key AS text)))
       AND (CAST(:ids AS bigint[]) IS NULL OR q.id = ANY(CAST(:ids AS bigint[])))
       {{open_filter}}
-    UNION ALL
-    SELECT q.id, q.key, q.kind, q.state
+    ORDER BY q.kind, q.key
+    LIMIT :page_size
+),
+last AS (
+    SELECT p.kind, p.key FROM page AS p ORDER BY p.n DESC LIMIT 1
+)
+SELECT coalesce((SELECT array_agg(p.id ORDER BY p.n) FROM page AS p), '{}') AS ids,
+       (SELECT count(*) FROM page) AS n,
+       (SELECT kind FROM last) AS last_kind, (SELECT key FROM last) AS last_key;
+
+
+-- name: controls_page_leased
+-- The next :page_size leased rows matching the filter after the cursor (:after_key; NULL:
+-- from the start), in the order of the leased-key index (one lease per key). One row, as
+-- controls_page_queued.
+WITH page AS (
+    SELECT q.id, q.kind, q.key, row_number() OVER (ORDER BY q.key) AS n
     FROM enrichq.queue AS q
     WHERE q.state = 'leased'
+      AND (CAST(:after_key AS text) IS NULL OR q.key > CAST(:after_key AS text))
       AND (CAST(:ids AS bigint[]) IS NULL OR q.id = ANY(CAST(:ids AS bigint[])))
       {{open_filter}}
+    ORDER BY q.key
+    LIMIT :page_size
+),
+last AS (
+    SELECT p.kind, p.key FROM page AS p ORDER BY p.n DESC LIMIT 1
 )
-SELECT coalesce(array_agg(m.id ORDER BY m.key COLLATE "C", m.kind COLLATE "C", m.id),
-                '{}') AS ids,
-       count(*) FILTER (WHERE m.state = 'queued') AS queued,
-       count(*) FILTER (WHERE m.state = 'leased') AS leased
-FROM matched AS m;
+SELECT coalesce((SELECT array_agg(p.id ORDER BY p.n) FROM page AS p), '{}') AS ids,
+       (SELECT count(*) FROM page) AS n,
+       (SELECT kind FROM last) AS last_kind, (SELECT key FROM last) AS last_key;
 
 
--- name: controls_select_dead
--- The dead letters matching the filter: their ids in lock order and, for each, the newest
--- matching id of its (kind, key), the one a redrive puts back in the queue.
-WITH matched AS (
-    SELECT q.id, q.key, q.kind,
-           max(q.id) OVER (PARTITION BY q.kind COLLATE "C", q.key COLLATE "C") AS winner
+-- name: controls_page_dead
+-- The next :page_size dead letters matching the filter after the cursor (:after_key,
+-- :after_kind, :after_id; NULL: from the start), walking the dead-letter key index
+-- backwards: a ticket's dead letters come together, its newest first (the one a redrive
+-- queues again). One row: their ids in that order and, for each, the first (newest) id of
+-- its ticket within the page (a ticket cut by the page's start has its newest on an
+-- earlier page: the caller carries it over), how many, the first row's (kind, key) and
+-- the last row's (key, kind, id), the cursor. Rows are numbered in the index's order and
+-- tickets told apart by comparing neighbours, so nothing sorts their text again.
+WITH page AS (
+    SELECT q.id, q.kind, q.key,
+           row_number() OVER (ORDER BY q.key DESC, q.kind DESC, q.id DESC) AS n
     FROM enrichq.queue AS q
     WHERE q.state = 'dead_letter'
+      AND (CAST(:after_key AS text) IS NULL
+           OR (q.key, q.kind, q.id)
+              < (CAST(:after_key AS text), CAST(:after_kind AS text), CAST(:after_id AS bigint)))
       AND (CAST(:ids AS bigint[]) IS NULL OR q.id = ANY(CAST(:ids AS bigint[])))
       {{dead_filter}}
+    ORDER BY q.key DESC, q.kind DESC, q.id DESC
+    LIMIT :page_size
+),
+-- a row whose ticket differs from the row before starts a ticket
+marked AS (
+    SELECT p.id, p.n,
+           (p.kind, p.key) IS DISTINCT FROM (lag(p.kind) OVER w, lag(p.key) OVER w) AS starts
+    FROM page AS p
+    WINDOW w AS (ORDER BY p.n)
+),
+grouped AS (
+    SELECT m.id, m.n, count(*) FILTER (WHERE m.starts) OVER (ORDER BY m.n) AS ticket
+    FROM marked AS m
+),
+ranked AS (
+    SELECT g.id, g.n, first_value(g.id) OVER (PARTITION BY g.ticket ORDER BY g.n) AS winner
+    FROM grouped AS g
+),
+first AS (
+    SELECT p.kind, p.key FROM page AS p WHERE p.n = 1
+),
+last AS (
+    SELECT p.kind, p.key, p.id FROM page AS p ORDER BY p.n DESC LIMIT 1
 )
-SELECT coalesce(array_agg(m.id ORDER BY m.key COLLATE "C", m.kind COLLATE "C", m.id),
-                '{}') AS ids,
-       coalesce(array_agg(m.winner ORDER BY m.key COLLATE "C", m.kind COLLATE "C", m.id),
-                '{}') AS winners
-FROM matched AS m;
+SELECT coalesce((SELECT array_agg(r.id ORDER BY r.n) FROM ranked AS r), '{}') AS ids,
+       coalesce((SELECT array_agg(r.winner ORDER BY r.n) FROM ranked AS r), '{}') AS winners,
+       (SELECT count(*) FROM page) AS n,
+       (SELECT kind FROM first) AS first_kind, (SELECT key FROM first) AS first_key,
+       (SELECT kind FROM last) AS last_kind, (SELECT key FROM last) AS last_key,
+       (SELECT id FROM last) AS last_id;
+
+
+-- name: controls_redrive_preview
+-- Of the dead letters :winners (each the newest match of its ticket), how many a redrive
+-- would queue again now: those whose ticket has no queued row (the others would merge).
+SELECT count(*) AS redriven
+FROM enrichq.queue AS q
+WHERE q.id = ANY(CAST(:winners AS bigint[]))
+  AND q.state = 'dead_letter'
+  AND NOT EXISTS (
+      SELECT 1 FROM enrichq.queue AS o
+      WHERE o.state = 'queued' AND o.kind = q.kind AND o.key = q.key);
+
+
+-- name: controls_snapshot
+-- Makes the rest of the transaction read one snapshot, and only read: a selection's pages
+-- then see the queue as it was when the first one ran.
+SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY;
+
+
+-- name: controls_clock
+-- When the action began (:now, NULL = the database clock).
+SELECT coalesce(CAST(:now AS timestamptz), now()) AS started;
 
 
 -- name: controls_open_ids
@@ -117,7 +198,9 @@ ORDER BY s.ord;
 
 -- name: controls_cancel_batch
 -- queued/leased → dead_letter (cancelled) for the rows of :batch_ids that still match the
--- filter; returns how many were queued and how many leased. A leased row leaves `leased`,
+-- filter; returns how many were queued and how many leased, and how many queued rows were
+-- kept because an event merged into them at or after :started (when the action began:
+-- that work arrived after the operator acted, and survives). A leased row leaves `leased`,
 -- which is what fences its worker: every heartbeat and settle matches state = 'leased', so
 -- the worker's later writes are refused and its result is never written. The lease columns
 -- are cleared and finished_at set, as for every terminal row (the table's CHECKs).
@@ -126,8 +209,10 @@ WITH clock AS (
 ),
 -- locked in the queue's lock order; a row a worker settled while this waited is checked
 -- again on its new version (READ COMMITTED) and left alone when it no longer matches
+-- (a merge locks the row it marks, so the mark is read here on the row's newest version)
 chosen AS (
-    SELECT q.id, q.state AS was
+    SELECT q.id, q.state AS was,
+           (q.state = 'queued' AND q.merged_at >= CAST(:started AS timestamptz)) AS merged
     FROM enrichq.queue AS q
     WHERE q.id = ANY(CAST(:batch_ids AS bigint[]))
       AND q.state IN ('queued', 'leased')
@@ -141,11 +226,12 @@ cancelled AS (
         finished_at = clock.now, updated_at = clock.now,
         lease_owner = NULL, lease_expires_at = NULL, heartbeat_at = NULL
     FROM chosen, clock
-    WHERE q.id = chosen.id
+    WHERE q.id = chosen.id AND chosen.merged IS NOT TRUE
     RETURNING chosen.was
 )
 SELECT count(*) FILTER (WHERE c.was = 'queued') AS queued,
-       count(*) FILTER (WHERE c.was = 'leased') AS leased
+       count(*) FILTER (WHERE c.was = 'leased') AS leased,
+       (SELECT count(*) FROM chosen AS k WHERE k.merged) AS kept
 FROM cancelled AS c;
 
 
@@ -236,6 +322,30 @@ VALUES (:kind, :tenant, :reason, :actor, coalesce(CAST(:now AS timestamptz), now
 ON CONFLICT ON CONSTRAINT pauses_kind_tenant_key
 DO UPDATE SET reason = coalesce(EXCLUDED.reason, p.reason)
 RETURNING p.kind, p.tenant, p.reason, p.paused_by, p.paused_at, (p.xmax = 0) AS created;
+
+
+-- name: controls_scope_seen
+-- Whether work of :kinds (every kind a pause names) and :tenant (NULL: any) was ever seen:
+-- a tenant with a plan, claims counted for it (the fairness buckets), or open rows of it
+-- (through the claim index: ownerless work is tenant ''). A pause of a scope never seen
+-- may stop nothing (a misspelt tenant).
+SELECT EXISTS (
+           SELECT 1 FROM enrichq.tenants AS t
+           WHERE CAST(:tenant AS text) IS NOT NULL AND t.tenant = CAST(:tenant AS text))
+       OR EXISTS (
+           SELECT 1 FROM enrichq.tenant_served AS s
+           WHERE s.kind = ANY(CAST(:kinds AS text[]))
+             AND (CAST(:tenant AS text) IS NULL OR s.tenant = CAST(:tenant AS text)))
+       OR EXISTS (
+           SELECT 1 FROM enrichq.queue AS q
+           WHERE q.state = 'queued' AND q.kind = ANY(CAST(:kinds AS text[]))
+             AND (CAST(:tenant AS text) IS NULL
+                  OR coalesce(q.tenant, '') = CAST(:tenant AS text)))
+       OR EXISTS (
+           SELECT 1 FROM enrichq.queue AS q
+           WHERE q.state = 'leased' AND q.kind = ANY(CAST(:kinds AS text[]))
+             AND (CAST(:tenant AS text) IS NULL OR q.tenant = CAST(:tenant AS text)))
+       AS seen;
 
 
 -- name: controls_resume

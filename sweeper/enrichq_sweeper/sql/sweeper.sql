@@ -260,8 +260,9 @@ SELECT coalesce(CAST(:now AS timestamptz), now()) - make_interval(secs => CAST(:
 -- name: refresh_enqueue_page
 -- One page of the refresh schedule: the next :batch_size tickets of {tickets_table}
 -- updated in the last :updated_within_seconds, after the cursor (:after_updated_at,
--- :after_id) in (updated_at, id) order. Enqueues a refresh row (visible now, no tenant)
--- for each whose enrichment is older than :enriched_before_seconds, unless the ticket has
+-- :after_id) in (updated_at, id) order. Enqueues a refresh row (visible now, the ticket's
+-- tenant and its plan's priority, :priority for ownerless tickets, like any enqueue) for
+-- each whose enrichment is older than :enriched_before_seconds, unless the ticket has
 -- open work of either kind, or the queue gave up on it after that enrichment (a failed
 -- row, or a dead letter other than superseded): such a ticket waits for a redrive, so a
 -- poison ticket is never fed to the fleet again. A never-enriched ticket is not refresh's
@@ -273,7 +274,10 @@ WITH clock AS (
     SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
 ),
 page AS MATERIALIZED (
-    SELECT CAST(t.id AS text) AS key, t.updated_at
+    SELECT CAST(t.id AS text) AS key, t.updated_at,
+           -- the ticket's tenant, as ingest takes it (a tenant no enqueue accepts: none)
+           CASE WHEN char_length(CAST(t.tenant AS text)) BETWEEN 1 AND :key_max_length
+                THEN CAST(t.tenant AS text) END AS tenant
     FROM {tickets_table} AS t
     CROSS JOIN clock
     WHERE t.updated_at >= clock.now - make_interval(secs => CAST(:updated_within_seconds AS float8))
@@ -283,7 +287,7 @@ page AS MATERIALIZED (
     LIMIT :batch_size
 ),
 due AS (
-    SELECT p.key
+    SELECT p.key, p.tenant
     FROM page AS p
     JOIN enrichq.ticket_enrichments AS e ON e.ticket_id = p.key
     CROSS JOIN clock
@@ -304,9 +308,11 @@ due AS (
 inserted AS (
     INSERT INTO enrichq.queue AS q
         (kind, key, tenant, priority, reason, state, visible_at, attempts, max_attempts)
-    SELECT 'refresh', d.key, NULL, :priority, 'refresh', 'queued', clock.now, 0, :max_attempts
+    SELECT 'refresh', d.key, d.tenant, coalesce(t.priority, :priority), 'refresh', 'queued',
+           clock.now, 0, :max_attempts
     FROM due AS d
     CROSS JOIN clock
+    LEFT JOIN enrichq.tenants AS t ON t.tenant = d.tenant
     ORDER BY d.key COLLATE "C"
     ON CONFLICT DO NOTHING
     RETURNING q.id
@@ -324,7 +330,9 @@ SELECT (SELECT count(*) FROM inserted) AS inserted,
 -- Recounts the terminal rows (done and failed by kind, dead letters by kind and reason)
 -- into enrichq.queue_counts, index-only over queue_finished_idx and
 -- queue_dead_finished_idx, and drops the counts of groups that have no rows any more;
--- returns how many groups there are.
+-- returns how many groups there are. Run it after counts_plan: once most of the table is
+-- terminal, the planner prices a sequential scan below the index-only one, which reads a
+-- quarter of the pages (enrichq_sweeper.counts).
 WITH clock AS (
     SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
 ),
@@ -361,15 +369,30 @@ SELECT (SELECT count(*) FROM upserted) AS groups, (SELECT count(*) FROM gone) AS
 
 -- name: dlq_list
 -- Dead letters, newest id first, at most :limit, each with the state of the row that
--- superseded it (NULL when retention has pruned that row: dead letters outlive it).
+-- superseded it (NULL when retention has pruned that row: dead letters outlive it). The
+-- newest :limit of each dead reason (:reasons, every one there is) are read through the
+-- index by reason and id, and merged: never the table's id order, which walks the whole
+-- history back to the newest dead letter.
 SELECT q.id, q.kind, q.key, q.tenant, q.reason, q.dead_reason, q.superseded_by,
        (SELECT w.state FROM enrichq.queue AS w WHERE w.id = q.superseded_by)
            AS superseded_by_state,
        q.attempts, q.max_attempts, q.last_error, q.finished_at, q.created_at
-FROM enrichq.queue AS q
-WHERE q.state = 'dead_letter'
+FROM unnest(CAST(:reasons AS text[])) AS r(dead_reason)
+CROSS JOIN LATERAL (
+    SELECT d.id FROM enrichq.queue AS d
+    WHERE d.state = 'dead_letter' AND d.dead_reason = r.dead_reason
+    ORDER BY d.id DESC
+    LIMIT :limit
+) AS newest
+JOIN enrichq.queue AS q ON q.id = newest.id
 ORDER BY q.id DESC
 LIMIT :limit;
+
+
+-- name: counts_plan
+-- For the rest of the transaction: no sequential scan where an index serves (counts_refresh
+-- reads the finished-row indexes, index-only).
+SELECT set_config('enable_seqscan', 'off', true);
 
 
 -- name: dlq_list_by_reason

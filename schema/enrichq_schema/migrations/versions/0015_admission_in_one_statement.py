@@ -12,7 +12,7 @@ It also says whether the cost it reserved is known (`known`): a latest day's ave
 bytes is a known cost of nothing, not an unknown one.
 
 Revision ID: 0015
-Revises: 0009
+Revises: 0013
 Create Date: 2026-12-04 17:00:00
 """
 
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from alembic import op
 
 revision: str = "0015"
-down_revision: str | None = "0009"
+down_revision: str | None = "0013"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
