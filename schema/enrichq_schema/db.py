@@ -184,8 +184,16 @@ def database_url(configured: str | None) -> Iterator[str]:
     if configured:
         yield normalize_url(configured).render_as_string(hide_password=False)
         return
-    from enrichq_schema.postgres_supervisor import EmbeddedPostgres, default_data_dir
+    from enrichq_schema.postgres_supervisor import EmbeddedPostgres, default_data_dir, running_url
 
+    # another enrichq process (`serve`, the demo) runs it already: use that server, and leave
+    # it running when done
+    shared = running_url(default_data_dir())
+    if shared is not None:
+        url = ensure_database(shared, EMBEDDED_DATABASE)
+        log.info("using the embedded PostgreSQL another process runs, at %s", redact(url))
+        yield url
+        return
     with _embedded_lock:
         server = EmbeddedPostgres(default_data_dir())
         admin_url = server.start()
