@@ -778,7 +778,13 @@ def backfill(
 
 
 @cli.command()
-@click.option("--keep-running", is_flag=True, help="Leave serve and /metrics up afterwards.")
+@click.option(
+    "--keep",
+    "--keep-running",
+    "keep_running",
+    is_flag=True,
+    help="Leave the seeded database, serve and /metrics up afterwards, and print the URL.",
+)
 @click.option("--tickets", type=click.IntRange(min=10, max=100_000), default=600)
 @pass_context
 def demo(ctx: Context, keep_running: bool, tickets: int) -> None:
