@@ -239,14 +239,19 @@ def worker(ctx: Context, drain: bool, time_budget: float | None, no_wait: bool) 
 
 
 @cli.command()
+@click.option(
+    "--no-wait",
+    is_flag=True,
+    help="Before `enrichq migrate` has run: exit 2 instead of waiting for the schema.",
+)
 @pass_context
-def serve(ctx: Context) -> None:
+def serve(ctx: Context, no_wait: bool) -> None:
     """HTTP ingest (POST /v1/events), health, /metrics and a worker in one process."""
     from enrichq_service.serve import run_serve
 
     settings = ctx.settings
     with ctx.database() as url:
-        sys.exit(run_serve(settings, url))
+        sys.exit(run_serve(settings, url, wait_for_schema=not no_wait))
 
 
 @cli.command()

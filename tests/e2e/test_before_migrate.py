@@ -77,3 +77,51 @@ def test_it_waits_for_the_schema_then_works(
     finally:
         engine.dispose()
     assert runs >= 1
+
+
+def test_serve_waits_for_the_schema_and_readyz_says_why(unmigrated: str, tmp_path: Path) -> None:
+    """`enrichq serve` before `enrichq migrate` printed a 176-line traceback and exited 1;
+    it now serves /readyz (503, saying to migrate) while its worker waits, and with
+    --no-wait exits 2 in one line."""
+    import httpx
+    from tests.support.web import free_port
+
+    port = free_port()
+    env = {**enrichq_env(unmigrated, http_host="127.0.0.1", http_port=port)}
+    refused = subprocess.run(
+        [sys.executable, "-m", "enrichq_service", "serve", "--no-wait"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-2000:]
+    log = tmp_path / "serve.log"
+    proc = spawn(["serve"], {**env, "ENRICHQ_LOG_LEVEL": "INFO"}, log=log)
+    try:
+        base = f"http://127.0.0.1:{port}"
+
+        def readyz() -> httpx.Response | None:
+            try:
+                return httpx.get(f"{base}/readyz", timeout=5)
+            except httpx.HTTPError:
+                return None
+
+        first = wait_for(readyz, timeout=60, what="/readyz")
+        assert first.status_code == 503
+        assert "run `enrichq migrate`" in first.json()["detail"]
+        migrate(unmigrated)
+        wait_for(
+            lambda: (r := readyz()) is not None and r.status_code == 200,
+            timeout=60,
+            what="/readyz once migrated",
+        )
+    finally:
+        code = stop(proc)
+    text = log.read_text(errors="replace")
+    assert code == 0, text[-2000:]
+    assert "waits for the schema" in text
+    assert "Traceback" not in text
