@@ -7,6 +7,8 @@ The run itself (orchestration and comparison) is `enrichq_parity.parity`; the re
 from __future__ import annotations
 
 import os
+import sys
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -96,9 +98,13 @@ def unwritable(path: Path | None) -> str | None:
 
 
 class _ProgressBar:
-    """A rich progress bar over the days on a terminal; nothing when output is not a tty."""
+    """A rich progress bar over the days on a terminal; when output is not a terminal (a
+    CronJob's log), a plain line on stderr at each tenth of the days."""
 
     def __init__(self, console: Any) -> None:
+        self._plain = not console.is_terminal
+        self._said = 0
+        self._began = time.monotonic()
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,
@@ -127,11 +133,19 @@ class _ProgressBar:
 
     def _advance(self, done: int, days: int) -> None:
         self._bar.update(self._task, completed=done, total=days)
+        if self._plain and (done == days or done * 10 // days > self._said * 10 // days):
+            self._said = done
+            seconds = time.monotonic() - self._began
+            print(
+                f"parity: {done} of {days} days compared ({seconds:.1f} s, "
+                f"{done / seconds if seconds else 0:.1f} days/s)",
+                file=sys.stderr,
+            )
 
 
 _STATE_MARKUP = {
     "pass": "[bold green]PASS[/]",
-    "review": "[bold green]PASS[/] [yellow](legacy faults to accept)[/]",
+    "review": "[bold yellow]PASS[/] [yellow](legacy faults to accept)[/]",
     "fail": "[bold red]FAIL[/]",
     "empty": "[bold red]FAIL[/] [dim](nothing to judge)[/]",
 }

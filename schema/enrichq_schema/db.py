@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
@@ -183,8 +184,16 @@ def database_url(configured: str | None) -> Iterator[str]:
     if configured:
         yield normalize_url(configured).render_as_string(hide_password=False)
         return
-    from enrichq_schema.postgres_supervisor import EmbeddedPostgres, default_data_dir
+    from enrichq_schema.postgres_supervisor import EmbeddedPostgres, default_data_dir, running_url
 
+    # another enrichq process (`serve`, the demo) runs it already: use that server, and leave
+    # it running when done
+    shared = running_url(default_data_dir())
+    if shared is not None:
+        url = ensure_database(shared, EMBEDDED_DATABASE)
+        log.info("using the embedded PostgreSQL another process runs, at %s", redact(url))
+        yield url
+        return
     with _embedded_lock:
         server = EmbeddedPostgres(default_data_dir())
         admin_url = server.start()
@@ -245,6 +254,64 @@ def head_revision() -> str | None:
     from alembic.script import ScriptDirectory
 
     return ScriptDirectory(str(MIGRATIONS)).get_current_head()
+
+
+SCHEMA_WAIT_LOG_SECONDS = 5.0
+"""While a process waits for `enrichq migrate`, it says so this often."""
+
+
+def schema_problem(engine: sa.Engine) -> str | None:
+    """Why this database cannot be worked on by this enrichq, or None when it is at head."""
+    with engine.connect() as conn:
+        current = current_revision(conn)
+    head = head_revision()
+    if current == head:
+        return None
+    if current is not None and not _known_revision(current):
+        return (
+            f"the database is at revision {current}, newer than this enrichq's {head}: run the "
+            "enrichq release that migrated it"
+        )
+    return f"the database is at revision {current or 'none'}, not {head} (run `enrichq migrate`)"
+
+
+def _known_revision(revision: str) -> bool:
+    from alembic.script import ScriptDirectory
+    from alembic.util import CommandError
+
+    try:
+        return ScriptDirectory(str(MIGRATIONS)).get_revision(revision) is not None
+    except CommandError:
+        return False
+
+
+def await_schema(
+    engine: sa.Engine,
+    *,
+    wait: bool,
+    stop: threading.Event,
+    what: str,
+    poll_seconds: float = 1.0,
+) -> bool:
+    """Return True once the database is at head. Not there: with `wait`, say so in one log
+    line every SCHEMA_WAIT_LOG_SECONDS and look again until it is (False if `stop` is set
+    first); without, SettingsError (exit 2). A database newer than this enrichq never
+    becomes right by waiting: SettingsError either way."""
+    from enrichq_schema.errors import SettingsError
+
+    said_at = -SCHEMA_WAIT_LOG_SECONDS
+    while True:
+        problem = schema_problem(engine)
+        if problem is None:
+            return True
+        if not wait or "newer than" in problem:
+            raise SettingsError(f"{what}: {problem}")
+        now = time.monotonic()
+        if now - said_at >= SCHEMA_WAIT_LOG_SECONDS:
+            log.info("%s waits for the schema: %s", what, problem)
+            said_at = now
+        if stop.wait(poll_seconds):
+            return False
 
 
 def rerun_lost_races(conn: sa.Connection, statement: Callable[[], T]) -> T:

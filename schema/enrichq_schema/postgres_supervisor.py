@@ -598,6 +598,29 @@ def _die_with_parent(parent_pid: int) -> Callable[[], None]:
     return preexec
 
 
+def running_url(base_dir: Path) -> str | None:
+    """The URL of the server another process runs on `base_dir`'s data directory, when one
+    is up and ready (what its postmaster.pid says: its PID alive and this directory's
+    postmaster, its port, its socket directory, status ready); else None. A second enrichq
+    command on the embedded database connects to it instead of starting its own."""
+    data_dir = Path(base_dir).expanduser().absolute() / "data"
+    try:
+        lines = (data_dir / "postmaster.pid").read_text(errors="replace").split("\n")
+    except OSError:
+        return None
+    # postmaster.pid: PID, data directory, start time, port, socket directory, listen
+    # address, shared memory key, status
+    if len(lines) < 8 or not lines[0].strip().isdigit() or lines[7].strip() != "ready":
+        return None
+    pid, port, socket_dir = int(lines[0].strip()), lines[3].strip(), lines[4].strip()
+    if not port.isdigit() or not socket_dir or not pid_alive(pid):
+        return None
+    if not _is_postmaster_of(pid, data_dir):
+        return None
+    host = quote(socket_dir, safe="/")
+    return f"postgresql+psycopg://{_SUPERUSER}@/postgres?host={host}&port={port}"
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

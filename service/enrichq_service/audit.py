@@ -43,10 +43,11 @@ def list_cli(
 
 
 def describe_filter(stored: Mapping[str, Any]) -> str:
-    """A stored filter as `name=value` pairs (lists joined by commas), scope left out."""
+    """A stored filter as `name=value` pairs (lists joined by commas), scope and options
+    not given (None, False, empty) left out."""
     parts = []
     for name, value in stored.items():
-        if name == "scope":
+        if name == "scope" or value is None or value is False or value == []:
             continue
         if value is True:
             parts.append(name)

@@ -219,31 +219,50 @@ def status(ctx: Context, as_json: bool) -> None:
     default=None,
     help="Stop claiming after this many seconds, finish in-flight work, exit.",
 )
+@click.option(
+    "--no-wait",
+    is_flag=True,
+    help="Before `enrichq migrate` has run: exit 2 instead of waiting for the schema.",
+)
 @pass_context
-def worker(ctx: Context, drain: bool, time_budget: float | None) -> None:
+def worker(ctx: Context, drain: bool, time_budget: float | None, no_wait: bool) -> None:
     """Claim and enrich tickets until stopped (SIGTERM/SIGINT finish in-flight work)."""
     from enrichq_service.worker import run_worker
 
     settings = ctx.settings
     with ctx.database() as url:
-        sys.exit(run_worker(settings, url, drain=drain, time_budget=time_budget))
+        sys.exit(
+            run_worker(
+                settings, url, drain=drain, time_budget=time_budget, wait_for_schema=not no_wait
+            )
+        )
 
 
 @cli.command()
+@click.option(
+    "--no-wait",
+    is_flag=True,
+    help="Before `enrichq migrate` has run: exit 2 instead of waiting for the schema.",
+)
 @pass_context
-def serve(ctx: Context) -> None:
+def serve(ctx: Context, no_wait: bool) -> None:
     """HTTP ingest (POST /v1/events), health, /metrics and a worker in one process."""
     from enrichq_service.serve import run_serve
 
     settings = ctx.settings
     with ctx.database() as url:
-        sys.exit(run_serve(settings, url))
+        sys.exit(run_serve(settings, url, wait_for_schema=not no_wait))
 
 
 @cli.command()
 @click.option("--once", is_flag=True, help="Run every task once and exit.")
+@click.option(
+    "--no-wait",
+    is_flag=True,
+    help="Before `enrichq migrate` has run: exit 2 instead of waiting for the schema.",
+)
 @pass_context
-def sweep(ctx: Context, once: bool) -> None:
+def sweep(ctx: Context, once: bool, no_wait: bool) -> None:
     """Recover expired leases, dead-letter spent rows, prune old rows, enqueue refreshes."""
     from enrichq_sweeper.scheduler import ScheduledTask, run_sweeper
 
@@ -254,7 +273,15 @@ def sweep(ctx: Context, once: bool) -> None:
 
         scheduled_parity = run_scheduled
     with ctx.database() as url:
-        sys.exit(run_sweeper(settings, url, once=once, scheduled_parity=scheduled_parity))
+        sys.exit(
+            run_sweeper(
+                settings,
+                url,
+                once=once,
+                scheduled_parity=scheduled_parity,
+                wait_for_schema=not no_wait,
+            )
+        )
 
 
 @cli.group()
@@ -756,7 +783,13 @@ def backfill(
 
 
 @cli.command()
-@click.option("--keep-running", is_flag=True, help="Leave serve and /metrics up afterwards.")
+@click.option(
+    "--keep",
+    "--keep-running",
+    "keep_running",
+    is_flag=True,
+    help="Leave the seeded database, serve and /metrics up afterwards, and print the URL.",
+)
 @click.option("--tickets", type=click.IntRange(min=10, max=100_000), default=600)
 @pass_context
 def demo(ctx: Context, keep_running: bool, tickets: int) -> None:

@@ -199,16 +199,17 @@ def run_demo(  # noqa: PLR0915 -- the demo is one story, told in order
                 "rows\n"
                 f"report: [link]{review.html.resolve()}[/]  (JSON and CSV beside it)\n"
                 f"metrics: {metrics_url}"
-                + ("" if keep_running else " (stopped; use --keep-running to keep it up)")
-                + "\nexplore: run `enrichq demo --keep-running`, then in another shell "
-                f"ENRICHQ_DATABASE_URL='{normalize_url(demo_url).render_as_string()}' "
-                "enrichq parity runs (or cutover --status, cutover --rollback --tenant "
-                f"{DEMO_TENANT}, status, dlq list)",
+                + ("" if keep_running else " (stopped; use --keep to keep it up)")
+                + "\nexplore: run `enrichq demo --keep`, then paste the export line it "
+                "prints into another shell and walk README's tour on this data",
                 title="enrichq demo",
             )
         )
         if keep_running:
-            console.print("serve and /metrics keep running; Ctrl-C stops them")
+            # on a line of its own, outside any box, so a copy picks up nothing else
+            console.print("the demo's database, for another shell:", highlight=False)
+            print(f"export ENRICHQ_DATABASE_URL='{normalize_url(demo_url).render_as_string()}'")
+            console.print("serve, /metrics and the database keep running; Ctrl-C stops them")
             with stop_on_signals(worker.stop):
                 while not worker.stop.wait(1):
                     pass

@@ -361,9 +361,17 @@ class _App(FastAPI):
 
 
 def create_app(
-    settings: Settings, engine: sa.Engine, *, health: Callable[[], str | None] | None = None
+    settings: Settings,
+    engine: sa.Engine,
+    *,
+    health: Callable[[], str | None] | None = None,
+    degraded: Callable[[], str | None] | None = None,
 ) -> FastAPI:
-    """The HTTP application: ingest, health, readiness and metrics over `engine`."""
+    """The HTTP application: ingest, health, readiness and metrics over `engine`.
+
+    `health`: why the process cannot go on (healthz 503), or None. `degraded`: why a part
+    of it stopped while ingest goes on (readyz says so, still 200: events keep coming in),
+    or None."""
     version = set_build_info(settings.mode.value)
     register_queue_collector(engine)
     for result in EVENT_RESULTS:
@@ -508,6 +516,11 @@ def create_app(
                 },
                 status_code=503,
             )
+        problem = degraded() if degraded is not None else None
+        if problem is not None:
+            # ingest still accepts events (the help desk must not lose them): ready, and says
+            # what stopped
+            return JSONResponse({"status": "ingest only", "detail": problem})
         return JSONResponse({"status": "ok"})
 
     @app.get(

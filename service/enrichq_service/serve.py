@@ -31,8 +31,15 @@ def export_parity_gauges(engine: sa.Engine, stop: threading.Event) -> None:
             return
 
 
-def run_serve(settings: Settings, url: str) -> int:
-    """Serve HTTP on ENRICHQ_HTTP_PORT and work the queue until SIGTERM/SIGINT."""
+def run_serve(settings: Settings, url: str, *, wait_for_schema: bool = True) -> int:
+    """Serve HTTP on ENRICHQ_HTTP_PORT and work the queue until SIGTERM/SIGINT.
+
+    Before `enrichq migrate` has run, the worker waits for the schema (saying so; /readyz
+    says why) unless told not to (exit 2). A worker that stops on an error leaves ingest
+    running: events keep being accepted, /readyz says the worker stopped, the error is
+    logged and counted (enrichq_worker_errors_total{thread="serve"})."""
+    from enrichq_schema import metrics
+    from enrichq_schema.db import await_schema
     from enrichq_schema.process import stop_on_signals
     from enrichq_service.http import bind_socket, create_app, start_server_thread
     from enrichq_service.worker import worker_process
@@ -46,7 +53,19 @@ def run_serve(settings: Settings, url: str) -> int:
         log.warning("database unavailable at start-up: %s", describe_database_error(exc))
     with worker_process(settings, url) as (worker, engines):
         engine = engines.queue
-        app = create_app(settings, engine, health=worker.health)
+        stopped: list[str] = []  # why the worker stopped while ingest goes on
+
+        def health() -> str | None:
+            # a worker that stopped for good is no reason to restart the process: ingest
+            # works, and a restart would refuse the help desk's events meanwhile
+            return None if stopped else worker.health()
+
+        app = create_app(
+            settings,
+            engine,
+            health=health,
+            degraded=lambda: stopped[0] if stopped else None,
+        )
         server = start_server_thread(
             app, host=settings.http_host, port=settings.http_port, sock=sock
         )
@@ -57,10 +76,18 @@ def run_serve(settings: Settings, url: str) -> int:
         exporter.start()
         try:
             with stop_on_signals(worker.stop):
+                if not await_schema(engine, wait=wait_for_schema, stop=worker.stop, what="serve"):
+                    return 0
                 result = worker.run()
+                if result.stop_reason is StopReason.ERROR and not worker.stop.is_set():
+                    stopped.append(f"the worker stopped on an error: {result.error}")
+                    metrics.worker_errors_total.labels("serve").inc()
+                    log.error(
+                        "serve: its worker stopped on an error: %s; ingest goes on (/readyz "
+                        "says so) until serve is stopped and restarted",
+                        result.error,
+                    )
+                    worker.stop.wait()
         finally:
             server.stop()
-    if result.stop_reason is StopReason.ERROR:
-        log.error("serve stopped: its worker stopped on an error: %s", result.error)
-        return 1
     return 0

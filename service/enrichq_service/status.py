@@ -20,6 +20,8 @@ class StatusReport:
 
     counts: dict[str, dict[str, int]] = field(default_factory=dict)
     oldest_visible_seconds: dict[str, float] = field(default_factory=dict)
+    # per kind, queued rows not visible yet: {"waiting": rows, "in_seconds": until the first}
+    next_visible: dict[str, dict[str, float]] = field(default_factory=dict)
     live_leases: int = 0
     expired_leases: int = 0
     dead_letters: dict[str, int] = field(default_factory=dict)
@@ -40,12 +42,24 @@ def collect(conn: sa.Connection, *, now: datetime | None = None) -> StatusReport
         kind: round(float(age), 3)
         for kind, age in conn.execute(SQL("observe_oldest_visible"), {"now": now})
     }
+    upcoming = {
+        row.kind: {"waiting": int(row.waiting), "in_seconds": round(float(row.in_seconds), 3)}
+        for row in conn.execute(SQL("observe_next_visible"), {"now": now})
+    }
     leases = conn.execute(SQL("observe_leases"), {"now": now}).one()
     dead: dict[str, int] = {}
     for _kind, reason, n in conn.execute(SQL("observe_dead_letters_by_reason")):
         dead[reason] = dead.get(reason, 0) + int(n)
     pauses = [p.as_json() for p in pause_controls.in_place(conn, now=now)]
-    return StatusReport(counts, oldest, int(leases.live), int(leases.expired), dead, pauses)
+    return StatusReport(
+        counts=counts,
+        oldest_visible_seconds=oldest,
+        next_visible=upcoming,
+        live_leases=int(leases.live),
+        expired_leases=int(leases.expired),
+        dead_letters=dead,
+        pauses=pauses,
+    )
 
 
 def render(report: StatusReport) -> None:
@@ -64,10 +78,16 @@ def render(report: StatusReport) -> None:
     for s in states:
         table.add_column(s, justify="right")
     table.add_column("oldest visible", justify="right")
+    table.add_column("not visible yet", justify="right")
     for kind in sorted(report.counts) or ["enrich"]:
         row = report.counts.get(kind, {})
         age = report.oldest_visible_seconds.get(kind)
-        table.add_row(kind, *(str(row.get(s, 0)) for s in states), f"{age:.0f} s" if age else "-")
+        table.add_row(
+            kind,
+            *(str(row.get(s, 0)) for s in states),
+            f"{age:.0f} s" if age else "-",
+            _upcoming(report.next_visible.get(kind)),
+        )
     console.print(table)
     console.print(
         f"leases: {report.live_leases} live, {report.expired_leases} expired (awaiting sweep)"
@@ -84,3 +104,13 @@ def render(report: StatusReport) -> None:
         console.print(f"dead letters by reason: {reasons}")
     else:
         console.print("dead letters: none")
+
+
+def _upcoming(rows: dict[str, float] | None) -> str:
+    """'12, the first in 4 min 10 s': queued rows waiting for their visibility, or '-'."""
+    if not rows:
+        return "-"
+    seconds = max(0, round(rows["in_seconds"]))
+    minutes, rest = divmod(seconds, 60)
+    when = f"{minutes} min {rest} s" if minutes else f"{rest} s"
+    return f"{int(rows['waiting']):,}, the first in {when}"

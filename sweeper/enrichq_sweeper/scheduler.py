@@ -20,6 +20,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from enrichq_schema import metrics
+from enrichq_schema.db import await_schema
 from enrichq_schema.metrics import metrics_port_problem
 from enrichq_schema.process import Exit, process_id, say, stop_on_signals
 from enrichq_schema.settings import Settings
@@ -35,20 +36,6 @@ LEADER_RETRY_SECONDS_MAX = 5.0
 RETENTION_INTERVAL_SECONDS = 86_400.0
 SECONDS_PER_HOUR = 3600.0
 SCHEDULER_THREADS = 4
-
-
-def _check_schema(engine: sa.Engine) -> str | None:
-    """Why this database cannot be swept, or None when it is migrated to head."""
-    from enrichq_schema.db import current_revision, head_revision
-
-    with engine.connect() as conn:
-        current = current_revision(conn)
-    head = head_revision()
-    if current != head:
-        return (
-            f"the database is at revision {current or 'none'}, not {head} (run `enrichq migrate`)"
-        )
-    return None
 
 
 # A task the caller adds to the leader's schedule: (settings, database URL) -> None. The
@@ -154,7 +141,12 @@ def _check_seconds(settings: Settings) -> float:
 
 
 def run_sweeper(
-    settings: Settings, url: str, *, once: bool, scheduled_parity: ScheduledTask | None = None
+    settings: Settings,
+    url: str,
+    *,
+    once: bool,
+    scheduled_parity: ScheduledTask | None = None,
+    wait_for_schema: bool = True,
 ) -> int:
     """Run the sweeper until SIGTERM/SIGINT (or each task once with `once`); the exit code.
 
@@ -178,12 +170,12 @@ def run_sweeper(
     lock = leadership(settings, url, owner=owner, check_seconds=_check_seconds(settings))
     sweeper = _Sweeper(engine, settings, url, hook, owner, lock, scheduled_parity)
     try:
-        problem = _check_schema(engine)
-        if problem:
-            say(problem)
-            return Exit.FAILED
         _quiet_apscheduler(settings)
         with stop_on_signals(sweeper.stop):
+            # before `enrichq migrate` has run: wait for it, saying so (or exit 2 when told
+            # not to wait)
+            if not await_schema(engine, wait=wait_for_schema, stop=sweeper.stop, what="sweep"):
+                return Exit.OK
             if once:
                 return sweeper.run_once()
             if settings.metrics_port:

@@ -230,3 +230,22 @@ def test_psycopg_reaches_the_socket_named_in_the_url(base_dir: Path) -> None:
         assert pg.url.endswith("&port=6543")
         with psycopg.connect(host=host, port=6543, user="postgres", dbname="postgres") as conn:
             assert conn.execute("SELECT current_user").fetchone() == ("postgres",)
+
+
+def test_a_second_command_uses_the_embedded_server_another_runs(
+    base_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`enrichq status` while `enrichq serve` runs on the embedded default: the second
+    command connects to the running server (and leaves it running) instead of waiting for
+    its data directory and failing."""
+    from enrichq_schema.db import database_url
+
+    monkeypatch.setenv("ENRICHQ_EMBEDDED_DIR", str(base_dir))
+    with EmbeddedPostgres(base_dir) as first:
+        pid = postmaster_pid(base_dir)
+        assert embedded.running_url(base_dir) == first.url
+        with database_url(None) as url:
+            assert query(url, "SELECT current_database()") == "enrichq"
+        assert alive(pid)
+        assert query(first.url, "SELECT 1") == 1
+    assert embedded.running_url(base_dir) is None

@@ -798,6 +798,19 @@ def test_cli_exit_0_on_pass_with_reports(
     assert ">PASS<" in html_path.read_text()
 
 
+def test_cli_says_its_progress_in_plain_lines_when_not_on_a_terminal(
+    cli_env: str, db_engine: sa.Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _cli_world(db_engine, mismatch=False)
+    assert main(["parity", "--since", "2020-01-01"]) in (0, 1)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("parity: ")]
+    days = int(lines[-1].split(" of ")[1].split()[0])
+    assert days > 1000
+    assert 2 <= len(lines) <= 11
+    assert lines[-1].startswith(f"parity: {days} of {days} days compared (")
+
+
 def test_cli_exit_1_below_thresholds(
     cli_env: str, db_engine: sa.Engine, capsys: pytest.CaptureFixture[str]
 ) -> None:

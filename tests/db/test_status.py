@@ -58,3 +58,52 @@ def test_status_counts_by_kind_and_state(db_url: str, db_engine: sa.Engine) -> N
         check=True,
     )
     assert "dead letters by reason: attempts_exhausted: 1" in table.stdout
+
+
+def test_a_queue_of_delayed_rows_says_when_the_next_becomes_visible(
+    db_url: str, db_engine: sa.Engine
+) -> None:
+    """Every row still inside its visibility delay: status shows how many wait and when the
+    first becomes visible, not just 'oldest visible -'."""
+    cfg = make_settings(db_url, delay_created_seconds=600, delay_updated_seconds=120)
+    with db_engine.begin() as conn:
+        queue.enqueue(
+            conn,
+            [EnqueueRequest.build(key=f"T-{i}", reason="created") for i in range(3)]
+            + [EnqueueRequest.build(key="T-9", reason="updated")],
+            settings=cfg,
+        )
+    with db_engine.connect() as conn:
+        report = collect(conn)
+    assert "enrich" not in report.oldest_visible_seconds
+    waiting = report.next_visible["enrich"]
+    assert waiting["waiting"] == 4
+    assert 100 < waiting["in_seconds"] <= 120
+    table = subprocess.run(
+        [sys.executable, "-m", "enrichq_service", "status"],
+        capture_output=True,
+        text=True,
+        env={"ENRICHQ_DATABASE_URL": db_url, "PATH": "/usr/bin:/bin", "COLUMNS": "200"},
+        timeout=60,
+        check=True,
+    )
+    assert "4, the first in 1 min" in table.stdout
+
+
+def test_a_manual_enqueue_brings_a_delayed_ticket_forward(
+    db_url: str, db_engine: sa.Engine
+) -> None:
+    """`enqueue --reason manual` is visible now, also when it merges into a delayed row; an
+    event merging into it keeps the row's own delay."""
+    cfg = make_settings(db_url, delay_created_seconds=600, delay_updated_seconds=120)
+    with db_engine.begin() as conn:
+        queue.enqueue(conn, [EnqueueRequest.build(key="T-1", reason="created")], settings=cfg)
+        queue.enqueue(conn, [EnqueueRequest.build(key="T-2", reason="created")], settings=cfg)
+        queue.enqueue(conn, [EnqueueRequest.build(key="T-2", reason="updated")], settings=cfg)
+        [merged] = queue.enqueue(
+            conn, [EnqueueRequest.build(key="T-1", reason="manual")], settings=cfg
+        )
+    assert not merged.inserted
+    with db_engine.begin() as conn:
+        claimed = queue.claim(conn, kinds=("enrich",), owner="w", limit=10, lease_seconds=60)
+    assert [job.key for job in claimed] == ["T-1"]

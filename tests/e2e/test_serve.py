@@ -86,3 +86,50 @@ def test_event_posted_over_http_is_enriched(
     finally:
         assert stop(serve) == 0
     assert SECRET not in (tmp_path / "serve.log").read_text()
+
+
+def test_ingest_stays_up_when_the_worker_inside_serve_stops(
+    db_url: str, db_engine: sa.Engine, tmp_path: Path
+) -> None:
+    """A misnamed help-desk table makes serve's worker stop on an error. Before, the whole
+    process exited 1 and the next POST got 'connection refused' (events lost upstream); now
+    ingest keeps accepting, /readyz says what stopped, /healthz does not ask for a restart."""
+    with db_engine.begin() as conn:
+        seed.seed_world(conn, tickets=5)
+    port = free_port()
+    serve = spawn(
+        ["serve"],
+        enrichq_env(
+            db_url,
+            http_host="127.0.0.1",
+            http_port=port,
+            webhook_secret=SECRET,
+            delay_created_seconds=0,
+            poll_seconds=0.2,
+            tickets_table="helpdesk.no_such_table",
+        ),
+        log=tmp_path / "serve.log",
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: answers(f"{base}/readyz"), timeout=60, what="/readyz")
+        first = post_event(base, SECRET, event("T-000001", tenant="acme"))
+        assert first.status_code == 202, first.text
+
+        def degraded() -> bool:
+            body = httpx.get(f"{base}/readyz").json()
+            return bool(body.get("status") == "ingest only")
+
+        wait_for(degraded, timeout=60, what="/readyz to say the worker stopped")
+        ready = httpx.get(f"{base}/readyz")
+        assert ready.status_code == 200
+        assert "worker stopped on an error" in ready.json()["detail"]
+        assert httpx.get(f"{base}/healthz").status_code == 200
+        assert serve.poll() is None
+        second = post_event(base, SECRET, event("T-000002", tenant="acme"))
+        assert second.status_code == 202, second.text
+        queued = "SELECT count(*) FROM enrichq.queue WHERE key = 'T-000002'"
+        assert q(db_engine, queued) == [(1,)]
+    finally:
+        code = stop(serve)
+    assert code == 0, (tmp_path / "serve.log").read_text()[-3000:]

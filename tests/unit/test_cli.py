@@ -334,3 +334,13 @@ def test_a_run_of_one_batch_shows_no_progress() -> None:
     progress.batch(1, {"queued": 9})
     progress.stop()
     assert screen.getvalue() == ""
+
+
+def test_an_audit_filter_shows_only_the_options_given() -> None:
+    """A pause of a tenant (no kind) read `kind=None tenant=acme`; options not given are
+    left out."""
+    from enrichq_service.audit import describe_filter
+
+    assert describe_filter({"kind": None, "tenant": "acme", "scope": "open"}) == "tenant=acme"
+    assert describe_filter({"all": True, "ids": [], "dry_run": False}) == "all"
+    assert describe_filter({"keys": ["T-1", "T-2"], "kind": "enrich"}) == "keys=T-1,T-2 kind=enrich"

@@ -45,6 +45,18 @@ WHERE state = 'queued' AND visible_at <= coalesce(CAST(:now AS timestamptz), now
 GROUP BY kind;
 
 
+-- name: observe_next_visible
+-- Per kind, the queued rows not visible yet (a visibility delay or a backoff): how many, and
+-- in how many seconds the first of them becomes visible.
+SELECT kind,
+       count(*) AS waiting,
+       extract(epoch FROM min(visible_at) - coalesce(CAST(:now AS timestamptz), now()))
+           AS in_seconds
+FROM enrichq.queue
+WHERE state = 'queued' AND visible_at > coalesce(CAST(:now AS timestamptz), now())
+GROUP BY kind;
+
+
 -- name: observe_leases
 -- Live and expired leases.
 SELECT count(*) FILTER (WHERE lease_expires_at > coalesce(CAST(:now AS timestamptz), now()))

@@ -50,15 +50,22 @@ inserted AS (
     LEFT JOIN enrichq.tenants AS t ON t.tenant = i.tenant
     ORDER BY i.key COLLATE "C", i.kind COLLATE "C", i.ord
     ON CONFLICT (kind, key) WHERE state = 'queued'
-    DO UPDATE SET merged_at = coalesce(CAST(:now AS timestamptz), now())
+    DO UPDATE SET merged_at = coalesce(CAST(:now AS timestamptz), now()),
+                  -- a manual enqueue is visible now (DESIGN §3): it brings a delayed row
+                  -- forward; an event keeps the row's own delay (a created ticket's waits
+                  -- out the warehouse's replication lag)
+                  visible_at = CASE WHEN excluded.reason = 'manual'
+                                    THEN least(q.visible_at, excluded.visible_at)
+                                    ELSE q.visible_at END
     RETURNING q.id, q.kind, q.key, q.visible_at, (q.xmax = 0) AS fresh
 ),
--- wake LISTENing workers once per kind that has work visible now
+-- wake LISTENing workers once per kind that has work visible now (a new row, or a merged
+-- one a manual enqueue brought forward)
 notified AS (
     SELECT count(pg_notify(:channel, k.kind)) AS n
     FROM (
         SELECT DISTINCT kind FROM inserted
-        WHERE fresh AND visible_at <= coalesce(CAST(:now AS timestamptz), now())
+        WHERE visible_at <= coalesce(CAST(:now AS timestamptz), now())
     ) AS k
 )
 SELECT i.ord, i.kind, i.key,

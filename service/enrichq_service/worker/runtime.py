@@ -498,14 +498,19 @@ def worker_process(settings: Settings, url: str) -> Iterator[tuple[Worker, Worke
 
 
 def run_worker(
-    settings: Settings, url: str, *, drain: bool = False, time_budget: float | None = None
+    settings: Settings,
+    url: str,
+    *,
+    drain: bool = False,
+    time_budget: float | None = None,
+    wait_for_schema: bool = True,
 ) -> int:
     """`enrichq worker`: run until stopped; exit 0 on a healthy stop, 1 on an error.
 
     Before anything starts, the preflight (`connections.preflight`): a database that
     cannot be reached stops the worker with its error (exit 1), a pool mode that the URL
     contradicts with a SettingsError (exit 2); a worker never loops on either."""
-    from enrichq_schema.db import redact
+    from enrichq_schema.db import await_schema, redact
     from enrichq_service.observe import start_metrics_server
 
     connections.preflight(settings, url)
@@ -523,6 +528,12 @@ def run_worker(
             ", draining" if drain else "",
         )
         with stop_on_signals(worker.stop, doing="finishing in-flight work"):
+            # before `enrichq migrate` has run: wait for it, saying so (or exit 2 when told
+            # not to wait)
+            if not await_schema(
+                worker.engine, wait=wait_for_schema, stop=worker.stop, what="worker"
+            ):
+                return 0
             result = worker.run(drain=drain, time_budget=time_budget)
     log.info(
         "worker stopped (%s): %s",
