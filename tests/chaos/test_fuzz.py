@@ -46,3 +46,16 @@ def test_excluded_behaviours_and_faults_are_never_drawn() -> None:
         assert not excluded & set(d.behaviours)
         assert not excluded & {kind for _, kind in d.faults}
     assert excluded <= {*BEHAVIOURS, *FAULTS, *CONDITIONS}
+
+
+def test_the_report_puts_the_harness_section_in_and_replaces_it() -> None:
+    from tests.chaos.report import FUZZ_HEADING, replace_section
+
+    doc = "# Reliability\n\ntable\n\n## How long a blackholed connection hangs\n\nrows\n"
+    once = replace_section(doc, [FUZZ_HEADING, "", "draws 1", ""])
+    assert once.index(FUZZ_HEADING) < once.index("## How long")
+    twice = replace_section(once, [FUZZ_HEADING, "", "draws 2", ""])
+    assert "draws 2" in twice
+    assert "draws 1" not in twice
+    assert twice.count(FUZZ_HEADING) == 1
+    assert twice.endswith("## How long a blackholed connection hangs\n\nrows\n")
