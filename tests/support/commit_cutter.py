@@ -51,8 +51,17 @@ class CommitCutter:
                 client, _ = self._listener.accept()
             except OSError:
                 return
-            server = dial(self.target)
+            try:
+                server = dial(self.target)
+            except OSError:  # the server is down (restarting): this client is refused
+                client.close()
+                continue
             threading.Thread(target=self._pump, args=(client, server), daemon=True).start()
+
+    def arm(self, times: int) -> None:
+        """Cut `times` more such commits from now on."""
+        with self._lock:
+            self.left += times
 
     def _take_cut(self) -> bool:
         with self._lock:

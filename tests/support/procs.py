@@ -27,9 +27,15 @@ def enrichq_env(db_url: str, **settings: object) -> dict[str, str]:
 
 
 def spawn(
-    args: list[str], env: Mapping[str, str], *, log: Path | None = None
+    args: list[str],
+    env: Mapping[str, str],
+    *,
+    log: Path | None = None,
+    new_session: bool = False,
 ) -> subprocess.Popen[bytes]:
-    """Start `python -m enrichq_service ARGS` (the `enrichq` command) in the repository."""
+    """Start `python -m enrichq_service ARGS` (the `enrichq` command) in the repository;
+    `new_session` makes it the leader of a process group of its own (its children's too),
+    which a test can signal as a whole."""
     if log is None:
         return subprocess.Popen(
             [sys.executable, "-m", "enrichq_service", *args],
@@ -37,6 +43,7 @@ def spawn(
             env=dict(env),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            start_new_session=new_session,
         )
     with log.open("ab") as out:  # the child keeps its own descriptor
         return subprocess.Popen(
@@ -45,6 +52,7 @@ def spawn(
             env=dict(env),
             stdout=out,
             stderr=subprocess.STDOUT,
+            start_new_session=new_session,
         )
 
 

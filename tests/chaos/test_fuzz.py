@@ -1,0 +1,61 @@
+"""The generative fault harness (`tests/chaos/fuzz.py`), bounded for CI: a fixed set of
+draws, without the behaviours and faults of KNOWN_DEFECTS. More draws:
+`python -m tests.chaos.fuzz --draws N --seed S`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.chaos.fuzz import CONDITIONS, FAULTS, KNOWN_DEFECTS, MODES, describe, draw, run_draw
+from tests.support.behaviours import BEHAVIOURS
+from tests.support.pg import Databases
+
+# Seeds chosen to cover every mode (per ticket, batches of 1 and 50), a budget, a cap, a
+# database restart, lost COMMIT replies and a blackhole between them; about 90 s in all.
+CI_SEEDS = (10, 15, 25, 168)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", CI_SEEDS)
+def test_draw_keeps_every_invariant(seed: int, databases: Databases, tmp_path: Path) -> None:
+    result = run_draw(draw(seed, exclude=KNOWN_DEFECTS), databases, tmp_path, KNOWN_DEFECTS)
+    assert result.violations == [], describe(result)
+
+
+def test_a_seed_reproduces_its_draw() -> None:
+    assert draw(7) == draw(7)
+    assert draw(7) != draw(8)
+
+
+def test_the_ci_seeds_cover_modes_settings_and_faults() -> None:
+    draws = [draw(seed, exclude=KNOWN_DEFECTS) for seed in CI_SEEDS]
+    assert {d.mode for d in draws} == set(MODES)
+    assert any(d.budget for d in draws)
+    assert any(d.cap for d in draws)
+    struck = {kind for d in draws for _, kind in d.faults}
+    assert {"db_restart", "blackhole"} <= struck, struck
+    assert struck & {"drop_claim_reply", "drop_settle_reply"}, struck
+
+
+def test_excluded_behaviours_and_faults_are_never_drawn() -> None:
+    excluded = KNOWN_DEFECTS | {"exit_always", "permanent", "sigkill"}
+    for seed in range(200):
+        d = draw(seed, exclude=excluded)
+        assert not excluded & set(d.behaviours)
+        assert not excluded & {kind for _, kind in d.faults}
+    assert excluded <= {*BEHAVIOURS, *FAULTS, *CONDITIONS}
+
+
+def test_the_report_puts_the_harness_section_in_and_replaces_it() -> None:
+    from tests.chaos.report import FUZZ_HEADING, replace_section
+
+    doc = "# Reliability\n\ntable\n\n## How long a blackholed connection hangs\n\nrows\n"
+    once = replace_section(doc, [FUZZ_HEADING, "", "draws 1", ""])
+    assert once.index(FUZZ_HEADING) < once.index("## How long")
+    twice = replace_section(once, [FUZZ_HEADING, "", "draws 2", ""])
+    assert "draws 2" in twice
+    assert "draws 1" not in twice
+    assert twice.count(FUZZ_HEADING) == 1
+    assert twice.endswith("## How long a blackholed connection hangs\n\nrows\n")
