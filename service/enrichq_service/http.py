@@ -7,7 +7,6 @@ otherwise), body; then every event is enqueued in one transaction, or none is.
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import hashlib
 import hmac
@@ -21,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import anyio
+import anyio.to_thread
 import sqlalchemy as sa
 import uvicorn
 from fastapi import FastAPI, Request
@@ -401,15 +402,15 @@ async def _enqueue_within(
     accepts connections and never answers makes a 503 with Retry-After, not a help desk's
     timeout. The abandoned attempt goes on in its thread until the connection's own
     timeouts end it; if it commits after all, the redelivery is a duplicate or merges."""
-    loop = asyncio.get_running_loop()
-    attempt = loop.run_in_executor(None, _enqueue, engine, settings, deliveries)
-    try:
-        return await asyncio.wait_for(attempt, settings.ingest_database_timeout_seconds)
-    except TimeoutError:
-        log.warning(
-            "enqueue took longer than %g s: answered 503", settings.ingest_database_timeout_seconds
+    bound = settings.ingest_database_timeout_seconds
+    # the threads of starlette's threadpool (anyio's limiter, 40), as before; abandoned on
+    # timeout instead of awaited
+    with anyio.move_on_after(bound):
+        return await anyio.to_thread.run_sync(
+            _enqueue, engine, settings, deliveries, abandon_on_cancel=True
         )
-        return Rejection(503, "unavailable", "database did not answer in time; retry later")
+    log.warning("enqueue took longer than %g s: answered 503", bound)
+    return Rejection(503, "unavailable", "database did not answer in time; retry later")
 
 
 def _accepted(events_ticket_ids: Sequence[str], results: list[ingest.Outcome]) -> JSONResponse:
