@@ -144,7 +144,8 @@ def parse(
     fallback_id = _event_id(invocation_id)
     if isinstance(fallback_id, Rejection):
         fallback_id = None  # a header we cannot store is no reason to refuse the ticket
-    if "type" in data and isinstance(data["type"], str) and "ticket_id" not in data:
+    kind = data.get("type")
+    if isinstance(kind, str) and kind.startswith(EVENT_TYPE_PREFIX) and "ticket_id" not in data:
         return _subscription_event(data, tenant_field, fallback_id)
     return _trigger_event(data, tenant_field, fallback_id, sent_at)
 

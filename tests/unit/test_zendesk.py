@@ -101,6 +101,7 @@ def test_a_trigger_body_uses_the_invocation_id_and_the_signature_time() -> None:
         {**ticket_event(), "subject": "zen:ticket:", "detail": {"id": ""}},
         {**ticket_event(), "time": "2099-07-04T05:33:18"},  # no zone
         {**ticket_event(), "id": 5},
+        {"type": "updated", "ticket": "12"},  # a mistyped template is no ignored event
         [ticket_event()],
     ],
 )
