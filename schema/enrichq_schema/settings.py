@@ -5,6 +5,8 @@ One ``Settings`` object is built in ``main()`` and passed down; nothing here run
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
 import re
 from collections.abc import Mapping
@@ -92,6 +94,12 @@ BODY_BYTES_MAX = 2**30
 # Zendesk, Stripe and Standard Webhooks accept 5 minutes); past that a captured request
 # could be replayed long after it was sent
 WEBHOOK_TOLERANCE_SECONDS_MAX = 3600
+# how long ingest waits for the database before it answers 503: Zendesk gives a webhook
+# 12 s in all (network, TLS and our answer), so at most 10
+INGEST_DATABASE_TIMEOUT_SECONDS_MAX = 10
+INGEST_DATABASE_TIMEOUT_SECONDS_DEFAULT = 2.5
+# Standard Webhooks secrets are `whsec_` + base64 of the key
+STANDARD_WEBHOOKS_PREFIX = "whsec_"
 
 # a duration in seconds that may become a millisecond setting: 1 ms to 24.8 days
 Seconds = Annotated[float, Field(ge=SECONDS_MIN, le=SECONDS_MAX, allow_inf_nan=False)]
@@ -113,6 +121,14 @@ class Mode(StrEnum):
 
     SHADOW = "shadow"
     LIVE = "live"
+
+
+class ZendeskTenantField(StrEnum):
+    """Which field of a Zendesk ticket is the enrichq tenant (none: no tenant)."""
+
+    BRAND_ID = "brand_id"
+    ORGANIZATION_ID = "organization_id"
+    NONE = "none"
 
 
 class Settings(BaseSettings):
@@ -209,6 +225,16 @@ class Settings(BaseSettings):
         float, Field(ge=SECONDS_MIN, le=WEBHOOK_TOLERANCE_SECONDS_MAX, allow_inf_nan=False)
     ] = 300
     """Accepted clock skew of a signed event's timestamp."""
+    zendesk_signing_secret: SecretStr | None = None
+    """Signing secrets of the Zendesk webhooks of POST /v1/zendesk, comma-separated (any one
+    verifies, for rotation); unset refuses every Zendesk delivery.
+    """
+    zendesk_tenant_field: ZendeskTenantField = ZendeskTenantField.BRAND_ID
+    """The ticket field that is the tenant: brand_id, organization_id or none."""
+    ingest_database_timeout_seconds: Annotated[
+        float, Field(ge=0.1, le=INGEST_DATABASE_TIMEOUT_SECONDS_MAX, allow_inf_nan=False)
+    ] = INGEST_DATABASE_TIMEOUT_SECONDS_DEFAULT
+    """How long ingest waits for the database before it answers 503 with Retry-After."""
     event_dedupe_hours: Annotated[
         float, Field(gt=0, le=EVENT_DEDUPE_HOURS_MAX, allow_inf_nan=False)
     ] = EVENT_DEDUPE_HOURS_DEFAULT
@@ -294,15 +320,23 @@ class Settings(BaseSettings):
             _check_dialect(url)
         return value
 
-    @field_validator("webhook_secret")
+    @field_validator("webhook_secret", "zendesk_signing_secret")
     @classmethod
-    def _secrets(cls, value: SecretStr | None) -> SecretStr | None:
+    def _secrets(cls, value: SecretStr | None, info: ValidationInfo) -> SecretStr | None:
         # the message never repeats the value: it is a secret
         if value is None:
             return None
         parts = value.get_secret_value().split(",")
         if not all(p.strip() for p in parts):
             raise ValueError("an empty secret (comma-separated secrets, none of them empty)")
+        for i, part in enumerate(p.strip() for p in parts):
+            if info.field_name != "webhook_secret":
+                break  # a Zendesk signing secret is used as it is
+            if part.startswith(STANDARD_WEBHOOKS_PREFIX) and not standard_webhooks_key(part):
+                raise ValueError(
+                    f"secret {i + 1}: a {STANDARD_WEBHOOKS_PREFIX} secret must be base64 "
+                    "after its prefix (Standard Webhooks)"
+                )
         return value
 
     @property
@@ -311,6 +345,14 @@ class Settings(BaseSettings):
         if self.webhook_secret is None:
             return ()
         return tuple(p.strip() for p in self.webhook_secret.get_secret_value().split(","))
+
+    @property
+    def zendesk_signing_secrets(self) -> tuple[str, ...]:
+        """Every secret of ENRICHQ_ZENDESK_SIGNING_SECRET, in order: a signature by any verifies."""
+        if self.zendesk_signing_secret is None:
+            return ()
+        value = self.zendesk_signing_secret.get_secret_value()
+        return tuple(p.strip() for p in value.split(","))
 
     @field_validator("enricher", "batch_enricher", "gave_up_hook")
     @classmethod
@@ -357,7 +399,7 @@ class Settings(BaseSettings):
         ):
             if url:
                 remember(*secrets_of_url(url))
-        remember(*self.webhook_secrets)
+        remember(*self.webhook_secrets, *self.zendesk_signing_secrets)
         return self
 
     @model_validator(mode="after")
@@ -415,6 +457,18 @@ ENV_PREFIX = "ENRICHQ_"
 OTHER_VARIABLES = frozenset({"ENRICHQ_CONFIG", "ENRICHQ_EMBEDDED_DIR"})
 # the test suite's own variables (tests/), never enrichq's settings
 TEST_SUITE_PREFIXES = ("ENRICHQ_TEST_", "ENRICHQ_CHAOS_")
+
+
+def standard_webhooks_key(secret: str) -> bytes:
+    """The HMAC key of a Standard Webhooks secret (`whsec_` + base64); b"" if it is none."""
+    if not secret.startswith(STANDARD_WEBHOOKS_PREFIX):
+        return b""
+    encoded = secret.removeprefix(STANDARD_WEBHOOKS_PREFIX)
+    try:
+        # the reference libraries accept unpadded base64 too: pad, extra padding is ignored
+        return base64.b64decode(encoded + "==", validate=False) if encoded.isascii() else b""
+    except binascii.Error:
+        return b""
 
 
 def unknown_variables(environ: Mapping[str, str]) -> list[str]:

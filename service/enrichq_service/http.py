@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import anyio
+import anyio.to_thread
 import sqlalchemy as sa
 import uvicorn
 from fastapi import FastAPI, Request
@@ -38,7 +40,6 @@ from pydantic import (
     field_validator,
 )
 from pydantic_core import from_json
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from enrichq_schema import metrics
@@ -48,9 +49,10 @@ from enrichq_schema.settings import Settings
 from enrichq_schema.states import EVENT_ID_MAX_LENGTH, KEY_MAX_LENGTH, Kind
 from enrichq_schema.text import id_problem, unsafe_character, validation_problem
 from enrichq_service import events as ingest
-from enrichq_service import queue
+from enrichq_service import queue, signatures, zendesk
 from enrichq_service.errors import ServiceError
 from enrichq_service.observe import register_queue_collector, set_build_info
+from enrichq_service.signatures import Rejection
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,7 @@ EVENT_RESULTS = (
     "unsupported",
     "invalid",
     "unavailable",
+    "ignored",
 )
 # RFC 3339 date-time: a date, a time and a zone; pydantic parses the values.
 _RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d{1,9})?([Zz]|[+-]\d{2}:\d{2})")
@@ -170,19 +173,16 @@ class ErrorBody(BaseModel):
     detail: str
 
 
+class Ignored(BaseModel):
+    """A verified Zendesk event that is not a ticket event: nothing enqueued."""
+
+    ignored: str
+
+
 class Health(BaseModel):
     """The process (healthz) or the process and its database (readyz) can serve."""
 
     status: str
-
-
-@dataclass(frozen=True, slots=True)
-class Rejection:
-    """A refused request: its status, the events_total result label and a one-line reason."""
-
-    status: int
-    result: str
-    detail: str
 
 
 def sign(secret: str, timestamp: int | str, body: bytes) -> str:
@@ -260,10 +260,22 @@ def parse_events(body: bytes) -> list[Event] | Rejection:
     return _invalid('body must be a JSON object: one event or {"events": [...]}')
 
 
-def to_requests(events: Sequence[Event]) -> list[ingest.Delivery] | Rejection:
-    """The deliveries of valid events (the queue's own checks may still refuse one)."""
+def to_requests(
+    events: Sequence[Event], *, default_id: str | None = None
+) -> list[ingest.Delivery] | Rejection:
+    """The deliveries of valid events (the queue's own checks may still refuse one).
+    `default_id` (a Standard Webhooks webhook-id) dedupes a single event that has no id."""
     out: list[ingest.Delivery] = []
     for i, event in enumerate(events):
+        event_id = event.id
+        if (
+            event_id is None
+            and len(events) == 1
+            and default_id is not None
+            and len(default_id) <= EVENT_ID_MAX_LENGTH
+            and unsafe_character(default_id) is None
+        ):
+            event_id = default_id
         payload: dict[str, Any] = {"occurred_at": event.occurred_at.isoformat()}
         if event.payload is not None:
             payload["payload"] = event.payload
@@ -275,7 +287,7 @@ def to_requests(events: Sequence[Event]) -> list[ingest.Delivery] | Rejection:
                 tenant=event.tenant,
                 payload=payload,
             )
-            out.append(ingest.Delivery(event.id, request))
+            out.append(ingest.Delivery(event_id, request))
         except queue.QueueInputError as exc:
             where = f"events[{i}]." if len(events) > 1 else ""
             return _invalid(f"{where}{exc}")
@@ -296,6 +308,62 @@ def _refuse(rejection: Rejection) -> JSONResponse:
     # a 503 says when to try again: the help desk redelivers, and redelivery is harmless
     headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if rejection.status == 503 else None
     return JSONResponse({"detail": rejection.detail}, status_code=rejection.status, headers=headers)
+
+
+async def _read_body(request: Request, limit: int) -> bytes | Response:
+    """The body, or the answer to a body that is too large (413) or never came (400)."""
+    declared = request.headers.get("content-length", "")
+    too_large = Rejection(413, "too_large", f"body larger than {limit} bytes")
+    if declared.isdigit() and int(declared) > limit:
+        return _refuse(too_large)
+    try:
+        body = await _read_capped(request, limit)
+    except ClientDisconnect:
+        return JSONResponse({"detail": "client disconnected"}, status_code=400)
+    if body is None:
+        return _refuse(too_large)
+    return body
+
+
+async def _zendesk(request: Request, settings: Settings, engine: sa.Engine) -> Response:
+    """POST /v1/zendesk: size, Zendesk's signature and timestamp, media type, body; then
+    the ticket event is enqueued (deduplicated on its event id) or ignored (2xx)."""
+    body = await _read_body(request, settings.max_body_bytes)
+    if isinstance(body, Response):
+        return body
+    headers = request.headers
+    stamp = headers.get(zendesk.TIMESTAMP_HEADER)
+    rejection = zendesk.verify(
+        settings.zendesk_signing_secrets,
+        stamp,
+        headers.get(zendesk.SIGNATURE_HEADER),
+        body,
+        now=time.time(),
+        tolerance_seconds=settings.webhook_tolerance_seconds,
+    )
+    sent_at = zendesk.parse_timestamp(stamp or "")
+    if rejection is not None or sent_at is None:
+        return _refuse(rejection or Rejection(401, "unauthorized", "bad timestamp"))
+    if not is_json(headers.get("content-type")):
+        return _refuse(Rejection(415, "unsupported", "Content-Type must be application/json"))
+    event = zendesk.parse(
+        body,
+        tenant_field=settings.zendesk_tenant_field,
+        invocation_id=headers.get(zendesk.INVOCATION_HEADER),
+        sent_at=sent_at,
+    )
+    if isinstance(event, Rejection):
+        return _refuse(event)
+    if isinstance(event, zendesk.Ignored):
+        metrics.events_total.labels("ignored").inc()
+        return JSONResponse({"ignored": event.zendesk_type}, status_code=200)
+    delivery = zendesk.to_delivery(event)
+    if isinstance(delivery, Rejection):
+        return _refuse(delivery)
+    results = await _enqueue_within(engine, settings, [delivery])
+    if isinstance(results, Rejection):
+        return _refuse(results)
+    return _accepted([event.ticket_id], results)
 
 
 async def _read_capped(request: Request, limit: int) -> bytes | None:
@@ -325,6 +393,42 @@ def _enqueue(
         # Connection lost, pool exhausted, schema missing: the client may retry later.
         log.warning("enqueue failed: %s", type(getattr(exc, "orig", None) or exc).__name__)
         return Rejection(503, "unavailable", "database unavailable; retry later")
+
+
+async def _enqueue_within(
+    engine: sa.Engine, settings: Settings, deliveries: list[ingest.Delivery]
+) -> list[ingest.Outcome] | Rejection:
+    """`_enqueue`, answered within ENRICHQ_INGEST_DATABASE_TIMEOUT_SECONDS: a database that
+    accepts connections and never answers makes a 503 with Retry-After, not a help desk's
+    timeout. The abandoned attempt goes on in its thread until the connection's own
+    timeouts end it; if it commits after all, the redelivery is a duplicate or merges."""
+    bound = settings.ingest_database_timeout_seconds
+    # the threads of starlette's threadpool (anyio's limiter, 40), as before; abandoned on
+    # timeout instead of awaited
+    with anyio.move_on_after(bound):
+        return await anyio.to_thread.run_sync(
+            _enqueue, engine, settings, deliveries, abandon_on_cancel=True
+        )
+    log.warning("enqueue took longer than %g s: answered 503", bound)
+    return Rejection(503, "unavailable", "database did not answer in time; retry later")
+
+
+def _accepted(events_ticket_ids: Sequence[str], results: list[ingest.Outcome]) -> JSONResponse:
+    inserted = sum(r.inserted for r in results)
+    duplicates = sum(r.duplicate for r in results)
+    metrics.events_total.labels("accepted").inc(len(results) - duplicates)
+    metrics.events_total.labels("duplicate").inc(duplicates)
+    answer = Accepted(
+        accepted=len(results),
+        inserted=inserted,
+        merged=len(results) - inserted - duplicates,
+        duplicates=duplicates,
+        results=[
+            EventResult(ticket_id=t, inserted=r.inserted, id=r.id, duplicate=r.duplicate)
+            for t, r in zip(events_ticket_ids, results, strict=True)
+        ],
+    )
+    return JSONResponse(jsonable_encoder(answer), status_code=202)
 
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -376,7 +480,8 @@ def create_app(
     register_queue_collector(engine)
     for result in EVENT_RESULTS:
         metrics.events_total.labels(result)
-    secrets = settings.webhook_secrets
+    secrets = [s for s in settings.webhook_secrets if not signatures.is_standard_secret(s)]
+    standard_secrets = [s for s in settings.webhook_secrets if signatures.is_standard_secret(s)]
     limit = settings.max_body_bytes
     head = head_revision()
 
@@ -428,24 +533,30 @@ def create_app(
     )
     async def post_events(request: Request) -> Response:
         """Verify the signature, validate every event, enqueue them all in one transaction."""
-        declared = request.headers.get("content-length", "")
-        too_large = Rejection(413, "too_large", f"body larger than {limit} bytes")
-        if declared.isdigit() and int(declared) > limit:
-            return _refuse(too_large)
-        try:
-            body = await _read_capped(request, limit)
-        except ClientDisconnect:
-            return JSONResponse({"detail": "client disconnected"}, status_code=400)
-        if body is None:
-            return _refuse(too_large)
-        rejection = verify(
-            secrets,
-            request.headers.get(TIMESTAMP_HEADER),
-            request.headers.get(SIGNATURE_HEADER),
-            body,
-            now=time.time(),
-            tolerance_seconds=settings.webhook_tolerance_seconds,
-        )
+        body = await _read_body(request, limit)
+        if isinstance(body, Response):
+            return body
+        headers = request.headers
+        standard = SIGNATURE_HEADER not in headers and signatures.SIGNATURE_HEADER in headers
+        if standard:
+            rejection = signatures.verify_standard(
+                standard_secrets,
+                headers.get(signatures.ID_HEADER),
+                headers.get(signatures.TIMESTAMP_HEADER),
+                headers.get(signatures.SIGNATURE_HEADER),
+                body,
+                now=time.time(),
+                tolerance_seconds=settings.webhook_tolerance_seconds,
+            )
+        else:
+            rejection = verify(
+                secrets,
+                headers.get(TIMESTAMP_HEADER),
+                headers.get(SIGNATURE_HEADER),
+                body,
+                now=time.time(),
+                tolerance_seconds=settings.webhook_tolerance_seconds,
+            )
         if rejection is not None:
             return _refuse(rejection)
         if not is_json(request.headers.get("content-type")):
@@ -453,29 +564,60 @@ def create_app(
         events = parse_events(body)
         if isinstance(events, Rejection):
             return _refuse(events)
-        requests = to_requests(events)
+        requests = to_requests(
+            events, default_id=headers.get(signatures.ID_HEADER) if standard else None
+        )
         if isinstance(requests, Rejection):
             return _refuse(requests)
-        results = await run_in_threadpool(_enqueue, engine, settings, requests)
+        results = await _enqueue_within(engine, settings, requests)
         if isinstance(results, Rejection):
             return _refuse(results)
-        inserted = sum(r.inserted for r in results)
-        duplicates = sum(r.duplicate for r in results)
-        metrics.events_total.labels("accepted").inc(len(results) - duplicates)
-        metrics.events_total.labels("duplicate").inc(duplicates)
-        answer = Accepted(
-            accepted=len(results),
-            inserted=inserted,
-            merged=len(results) - inserted - duplicates,
-            duplicates=duplicates,
-            results=[
-                EventResult(
-                    ticket_id=e.ticket_id, inserted=r.inserted, id=r.id, duplicate=r.duplicate
-                )
-                for e, r in zip(events, results, strict=True)
+        return _accepted([e.ticket_id for e in events], results)
+
+    @app.post(
+        "/v1/zendesk",
+        status_code=202,
+        response_model=Accepted,
+        responses={
+            200: {"model": Ignored, "description": "Verified, not a ticket event: ignored."},
+            **_ERRORS,
+        },
+        summary="Enqueue a Zendesk webhook's ticket event (signed as Zendesk signs)",
+        response_description="The ticket is queued (inserted, merged, or a duplicate).",
+        openapi_extra={
+            "parameters": [
+                {
+                    "name": zendesk.TIMESTAMP_HEADER,
+                    "in": "header",
+                    "required": True,
+                    "description": "ISO-8601 time when Zendesk signed the request.",
+                    "schema": {"type": "string"},
+                },
+                {
+                    "name": zendesk.SIGNATURE_HEADER,
+                    "in": "header",
+                    "required": True,
+                    "description": "base64 HMAC-SHA256 of timestamp + body keyed with "
+                    "ENRICHQ_ZENDESK_SIGNING_SECRET.",
+                    "schema": {"type": "string"},
+                },
+                {
+                    "name": zendesk.INVOCATION_HEADER,
+                    "in": "header",
+                    "required": False,
+                    "description": "Dedupes a trigger's delivery (events carry their own id).",
+                    "schema": {"type": "string"},
+                },
             ],
-        )
-        return JSONResponse(jsonable_encoder(answer), status_code=202)
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": {"type": "object"}}},
+            },
+        },
+    )
+    async def post_zendesk(request: Request) -> Response:
+        """Verify Zendesk's signature, map its ticket event, enqueue it (docs/zendesk.md)."""
+        return await _zendesk(request, settings, engine)
 
     @app.get(
         "/healthz",

@@ -1,9 +1,11 @@
-"""Benchmark: signed events per second accepted by POST /v1/events on one uvicorn process.
+"""Benchmark: signed events per second accepted by POST /v1/events and /v1/zendesk on one
+uvicorn process.
 
 Run: ``python -m tests.bench.bench_http [--seconds 10] [--threads 4]``. It uses the server of
 ENRICHQ_TEST_DATABASE_URL (else an embedded Postgres), creates a migrated database of its
 own, starts the HTTP app under uvicorn in a child process, posts signed single events and
-batches of 100 from httpx client threads, and prints a table.
+batches of 100 to /v1/events and Zendesk ticket events to /v1/zendesk from httpx client
+threads, and prints a table.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from enrichq_schema.db import create_engine
 from tests.support.pg import Databases, server_url
 
 SECRET = "bench-webhook-secret"
+ZENDESK_SECRET = "bench-zendesk-signing-secret"
 
 
 @dataclass
@@ -70,7 +73,9 @@ def serve_main(database_url: str) -> None:
     from enrichq_schema.settings import Settings
     from enrichq_service.http import create_app, start_server_thread
 
-    settings = Settings.load(database_url=database_url, webhook_secret=SECRET)
+    settings = Settings.load(
+        database_url=database_url, webhook_secret=SECRET, zendesk_signing_secret=ZENDESK_SECRET
+    )
     engine = create_engine(database_url, pool_size=16)
     server = start_server_thread(create_app(settings, engine))
     print(f"PORT {server.port}", flush=True)
@@ -96,19 +101,28 @@ def client_loop(
     base_url: str, *, mode: str, thread: int, batch: int, until: float, tally: Tally
 ) -> None:
     from enrichq_service.http import sign
+    from tests.support.zendesk import encode, ticket_event, zendesk_headers
 
     with httpx.Client(base_url=base_url, timeout=30) as http:
         n = 0
         while time.monotonic() < until:
-            body = body_of(mode, thread, n, batch)
-            stamp = str(int(time.time()))
-            headers = {
-                "Content-Type": "application/json",
-                "X-Enrichq-Timestamp": stamp,
-                "X-Enrichq-Signature": sign(SECRET, stamp, body),
-            }
+            if mode == "zendesk":
+                path = "/v1/zendesk"
+                body = encode(
+                    ticket_event(ticket=f"z-{thread}-{n}", event_id=f"bench-{thread}-{n}")
+                )
+                headers = zendesk_headers(body, ZENDESK_SECRET)
+            else:
+                path = "/v1/events"
+                body = body_of(mode, thread, n, batch)
+                stamp = str(int(time.time()))
+                headers = {
+                    "Content-Type": "application/json",
+                    "X-Enrichq-Timestamp": stamp,
+                    "X-Enrichq-Signature": sign(SECRET, stamp, body),
+                }
             started = time.perf_counter()
-            response = http.post("/v1/events", content=body, headers=headers)
+            response = http.post(path, content=body, headers=headers)
             tally.latencies.append(time.perf_counter() - started)
             tally.requests += 1
             if response.status_code == 202:
@@ -194,7 +208,7 @@ def main() -> None:
                         threads=args.threads,
                         seconds=args.seconds,
                     )
-                    for mode, batch in (("single", 1), ("batch100", 100))
+                    for mode, batch in (("single", 1), ("zendesk", 1), ("batch100", 100))
                 ]
             finally:
                 if child.stdin is not None:
@@ -209,7 +223,7 @@ def main() -> None:
         finally:
             dbs.drop_all()
 
-    table = Table(title="POST /v1/events on one uvicorn process (signed, all inserted)")
+    table = Table(title="POST /v1/events and /v1/zendesk on one uvicorn process (signed)")
     for col in ("mode", "threads", "seconds", "requests", "events", "errors"):
         table.add_column(col, justify="right")
     for col in ("requests/s", "events/s", "p50 ms", "p99 ms", "server CPU ms/req"):

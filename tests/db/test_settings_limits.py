@@ -219,12 +219,13 @@ def test_every_number_is_covered_here() -> None:
     }  # fmt: skip
     # compared in Python only, or checked by their own tests: ports (the OS's range),
     # fractions (0 to 1), the network timeout (tests/db/test_network_timeouts.py), the
-    # body size and signature tolerance (compared with a request's), pool sizes
+    # body size and signature tolerance (compared with a request's), pool sizes, ingest's
+    # database wait (an anyio timeout, tests/db/test_http_zendesk.py)
     elsewhere = {
         "http_port", "metrics_port", "parity_min_order_coverage",
         "parity_min_ticket_match_rate", "parity_max_shadow_fault_rate",
         "network_timeout_seconds", "max_body_bytes", "webhook_tolerance_seconds",
-        "lookup_batch_size", "parity_concurrency",
+        "lookup_batch_size", "parity_concurrency", "ingest_database_timeout_seconds",
     }  # fmt: skip
     assert used | elsewhere == set(numeric_settings())
     assert all(bounds(name)[1] < float("inf") for name in numeric_settings())
