@@ -25,7 +25,7 @@ BASE_FILE = HERE / "runbook-base.txt"
 URL_LINE = re.compile(
     r"^(?P<lead>\s*runbook_url:\s*)(?P<base>[^\s#]+)#(?P<anchor>[a-z0-9-]+)\s*$", re.M
 )
-BASE = re.compile(r"https?://[^\s#?]+")
+BASE = re.compile(r"https?://[^\s#]+")
 
 
 def files() -> list[Path]:
@@ -37,13 +37,17 @@ def read_base() -> str:
 
 
 def disagreements(base: str) -> list[str]:
-    """`file: url` for every runbook_url that does not start with `base#`."""
-    return [
-        f"{path.relative_to(HERE)}: {m.group('base')}#{m.group('anchor')}"
-        for path in files()
-        for m in URL_LINE.finditer(path.read_text(encoding="utf-8"))
-        if m.group("base") != base
-    ]
+    """`file: line` for every runbook_url that is not `base#anchor` on one unquoted line
+    (a quoted or folded link would escape the rewrite, so it counts as one)."""
+    wrong = []
+    for path in files():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if "runbook_url" not in line or line.lstrip().startswith("#"):
+                continue
+            m = URL_LINE.fullmatch(line)
+            if m is None or m.group("base") != base:
+                wrong.append(f"{path.relative_to(HERE)}: {line.strip()}")
+    return wrong
 
 
 def apply(base: str) -> int:
@@ -69,7 +73,7 @@ def main(argv: list[str]) -> int:
         return 2
     base = argv[0].rstrip("/") if argv else read_base()
     if not BASE.fullmatch(base):
-        print(f"not an http(s) URL without '#', '?' or spaces: {base!r}", file=sys.stderr)
+        print(f"not an http(s) URL without '#' or spaces: {base!r}", file=sys.stderr)
         return 2
     BASE_FILE.write_text(base + "\n", encoding="utf-8")
     changed = apply(base)

@@ -365,7 +365,13 @@ def test_one_command_moves_every_runbook_link_to_a_new_base(tmp_path: Path) -> N
     rules = copy / "rules" / RULES[0].name
     rules.write_text(rules.read_text("utf-8").replace(new, "https://elsewhere", 1), "utf-8")
     assert run_set_runbook_base(script, "--check").returncode == 1
-    for bad in ["not a url", "https://x.example/ops.md#anchor", "ftp://x.example/a"]:
+    # so is one the rewrite cannot see (quoted)
+    assert run_set_runbook_base(script, new).returncode == 0
+    quoted = re.sub(r"runbook_url: (\S+)", r'runbook_url: "\1"', rules.read_text("utf-8"), count=1)
+    assert 'runbook_url: "' in quoted
+    rules.write_text(quoted, "utf-8")
+    assert run_set_runbook_base(script, "--check").returncode == 1
+    for bad in ["not a url", "https://x.example/ops.md#anchor", "ftp://x.example/a", "https://a b"]:
         assert run_set_runbook_base(script, bad).returncode == 2, bad
 
 
