@@ -1,7 +1,9 @@
 """A live Prometheus (Debian's `prometheus`) with deploy/prometheus/prometheus.yml, its
 targets pointed at real `serve`, `worker` and `sweep` processes: every enrichq_* family
 the dashboard and the alert rules use is there after two scrapes, every PromQL expression
-of the dashboard (and of the rules) evaluates without error, and killing the worker makes
+of the dashboard, of the rules and of the worker autoscalers (deploy/k8s/autoscaling)
+evaluates without error, the scalers' queries answer one number each, events signed with a
+wrong secret make EnrichqEventsRefused pending or firing, and killing the worker makes
 EnrichqWorkerDown pending or firing (a copy of the rules with test-sized `for:`)."""
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import json
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,7 @@ DEPLOY = REPO / "deploy"
 CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
 RULES = sorted((DEPLOY / "prometheus" / "rules").glob("*.yml"))
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "enrichq.json"
+SCALED_OBJECT = DEPLOY / "k8s" / "autoscaling" / "keda" / "scaledobject.yaml"
 SECRET = "prometheus-e2e-secret"
 SCRAPE = "1s"
 # The test-sized `for:` of every alert in the copy of the rules Prometheus loads.
@@ -60,6 +64,13 @@ def dashboard_exprs() -> list[str]:
     return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
 
 
+def scaler_queries() -> list[str]:
+    """The PromQL of the KEDA ScaledObject's Prometheus triggers (the HPA's metrics are the
+    same selections, tests/unit/test_deploy.py checks)."""
+    scaled = yaml.safe_load(SCALED_OBJECT.read_text(encoding="utf-8"))
+    return [str(t["metadata"]["query"]) for t in scaled["spec"]["triggers"]]
+
+
 def with_variables(expr: str) -> str:
     for name, value in GRAFANA_VARIABLES.items():
         expr = expr.replace(name, value)
@@ -68,7 +79,7 @@ def with_variables(expr: str) -> str:
 
 def used_metrics() -> set[str]:
     """Every enrichq_* sample name the dashboard and the alert rules query."""
-    exprs = dashboard_exprs() + [str(rule["expr"]) for rule in alert_rules()]
+    exprs = dashboard_exprs() + [str(rule["expr"]) for rule in alert_rules()] + scaler_queries()
     return {name for expr in exprs for name in METRIC.findall(expr)}
 
 
@@ -194,8 +205,33 @@ def test_a_live_prometheus_scrapes_every_process_and_sees_the_worker_go_down(
             prom.query(with_variables(expr))  # a bad expression: status "error"
         for rule in alert_rules():
             prom.query(str(rule["expr"]))
+        for query in scaler_queries():
+            # one number, whatever the number of processes exporting the gauge
+            (sample,) = prom.query(query)
+            assert float(sample["value"][1]) >= 0, query
         # the worker's own /metrics, labelled as the deploy config labels it
         assert prom.query('enrichq_build_info{job="enrichq-worker", component="worker"}')
+
+        # a secret rotation done in the wrong order: every event refused with 401
+        for i in range(20):
+            refused = post_event(base, "not-" + SECRET, event(keys[i % len(keys)], "updated"))
+            assert refused.status_code == 401
+
+        def firing(name: str) -> Callable[[], dict[str, Any] | None]:
+            def check() -> dict[str, Any] | None:
+                for alert in prom.get("/api/v1/alerts")["alerts"]:
+                    if alert["labels"]["alertname"] == name and alert["state"] in (
+                        "pending",
+                        "firing",
+                    ):
+                        found: dict[str, Any] = alert
+                        return found
+                return None
+
+            return check
+
+        alert = wait_for(firing("EnrichqEventsRefused"), timeout=60, interval=0.5, what="refused")
+        assert alert["labels"]["result"] == "unauthorized"
 
         worker.kill()
         worker.wait(10)

@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from enrichq_schema.settings import Settings
 from enrichq_schema.states import DeadReason, Kind, Outcome, State
 from enrichq_service import observe
 from enrichq_service.cli import cli
+from enrichq_service.http import EVENT_RESULTS
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -29,7 +31,12 @@ RULE_TESTS = sorted((DEPLOY / "prometheus" / "tests").glob("*.yml"))
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "enrichq.json"
 OPERATIONS = ROOT / "docs" / "operations.md"
 OWN_DOCS = [OPERATIONS, ROOT / "docs" / "architecture.md"]
-RUNBOOK_BASE = "https://github.com/enrichq/enrichq/blob/main/docs/operations.md#"
+PROMETHEUS_DIR = DEPLOY / "prometheus"
+RUNBOOK_BASE_FILE = PROMETHEUS_DIR / "runbook-base.txt"
+SET_RUNBOOK_BASE = PROMETHEUS_DIR / "set_runbook_base.py"
+AUTOSCALING = K8S / "autoscaling"
+# What POST /events counts that is not a refusal (one per event, not per request).
+EVENTS_TAKEN = {"accepted", "duplicate"}
 
 # What each metric type exposes beside its family name (prometheus-client's text format).
 SAMPLE_SUFFIXES = {
@@ -45,6 +52,8 @@ LABEL_VOCABULARY = {
     "state": {s.value for s in State},
     "kind": {k.value for k in Kind},
     "reason": {r.value for r in DeadReason},
+    # enrichq_events_total{result} and enrichq_enqueued_total{result}
+    "result": set(EVENT_RESULTS) | {"inserted", "merged"},
 }
 SECRET_SETTINGS = {"ENRICHQ_DATABASE_URL", "ENRICHQ_WEBHOOK_SECRET"}
 SETTING_TOKEN = re.compile(r"\bENRICHQ_[A-Z0-9_]+")
@@ -303,18 +312,76 @@ def test_compose_takes_secrets_from_the_environment_not_the_file() -> None:
 # -- alerts, runbooks, rule tests --------------------------------------------------------
 
 
+def runbook_base() -> str:
+    return RUNBOOK_BASE_FILE.read_text(encoding="utf-8").strip()
+
+
 def test_every_alert_has_severity_summary_description_and_a_runbook_that_exists() -> None:
     anchors = markdown_anchors(OPERATIONS)
+    base = runbook_base()
     for rule in alerts():
         name = rule["alert"]
         assert rule["labels"]["severity"] in {"critical", "warning", "info"}, name
         annotations = rule["annotations"]
         assert annotations["summary"].strip(), name
         assert annotations["description"].strip(), name
+        # the one base of runbook-base.txt, then the section named after the alert
         url = annotations["runbook_url"]
-        assert url.startswith(RUNBOOK_BASE), f"{name}: {url}"
-        anchor = url.removeprefix(RUNBOOK_BASE)
-        assert anchor in anchors, f"{name}: docs/operations.md has no heading #{anchor}"
+        assert url == f"{base}#{name.lower()}", f"{name}: {url}"
+        assert name.lower() in anchors, f"{name}: docs/operations.md has no heading #{name}"
+
+
+def run_set_runbook_base(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, check=False
+    )
+
+
+def test_the_rule_tests_expect_the_same_runbook_base() -> None:
+    result = run_set_runbook_base(SET_RUNBOOK_BASE, "--check")
+    assert result.returncode == 0, result.stderr
+    assert "runbook_url" in (PROMETHEUS_DIR / "tests" / "enrichq_test.yml").read_text("utf-8")
+
+
+def test_one_command_moves_every_runbook_link_to_a_new_base(tmp_path: Path) -> None:
+    copy = tmp_path / "prometheus"
+    shutil.copytree(PROMETHEUS_DIR, copy)
+    script = copy / SET_RUNBOOK_BASE.name
+    new = "https://git.example.com/ops/enrichq/-/blob/main/docs/operations.md"
+    result = run_set_runbook_base(script, new + "/")
+    assert result.returncode == 0, result.stderr
+    assert (copy / RUNBOOK_BASE_FILE.name).read_text(encoding="utf-8") == new + "\n"
+    urls = [
+        line.split("runbook_url:", 1)[1].strip()
+        for path in [*(copy / "rules").glob("*.yml"), *(copy / "tests").glob("*.yml")]
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if "runbook_url:" in line
+    ]
+    assert len(urls) > len(alerts())  # the rules' and the rule tests' links
+    assert all(url.startswith(new + "#") for url in urls), urls
+    assert {url.removeprefix(new + "#") for url in urls} == {r["alert"].lower() for r in alerts()}
+    assert run_set_runbook_base(script, "--check").returncode == 0
+    # a link edited by hand is caught
+    rules = copy / "rules" / RULES[0].name
+    rules.write_text(rules.read_text("utf-8").replace(new, "https://elsewhere", 1), "utf-8")
+    assert run_set_runbook_base(script, "--check").returncode == 1
+    # so is one the rewrite cannot see (quoted)
+    assert run_set_runbook_base(script, new).returncode == 0
+    quoted = re.sub(r"runbook_url: (\S+)", r'runbook_url: "\1"', rules.read_text("utf-8"), count=1)
+    assert 'runbook_url: "' in quoted
+    rules.write_text(quoted, "utf-8")
+    assert run_set_runbook_base(script, "--check").returncode == 1
+    for bad in ["not a url", "https://x.example/ops.md#anchor", "ftp://x.example/a", "https://a b"]:
+        assert run_set_runbook_base(script, bad).returncode == 2, bad
+
+
+def test_the_refusal_alert_covers_every_refused_result_of_post_events() -> None:
+    (rule,) = [r for r in alerts() if r["alert"] == "EnrichqEventsRefused"]
+    matchers = re.findall(r'enrichq_events_total\{result=~"([^"]+)"\}', str(rule["expr"]))
+    assert len(matchers) == 2
+    for alternatives in matchers:
+        assert set(alternatives.split("|")) == set(EVENT_RESULTS) - EVENTS_TAKEN
+    assert set(EVENT_RESULTS) > EVENTS_TAKEN
 
 
 def test_every_alert_has_a_rule_test_that_fires_and_one_that_does_not() -> None:
@@ -368,6 +435,18 @@ def test_every_label_value_the_queries_match_is_in_the_vocabulary() -> None:
                 if alternative not in LABEL_VOCABULARY[label]:
                     wrong.add(f"{where}: {label}={alternative!r}")
     assert not wrong, sorted(wrong)
+
+
+def test_every_metric_an_alert_uses_is_on_the_dashboard() -> None:
+    """Whoever is paged can see the alert's signal over time (EnrichqPausedTooLong had none)."""
+    shown = {name for expr in dashboard_exprs() for name in METRIC_TOKEN.findall(expr)}
+    missing = {
+        f"{rule['alert']}: {name}"
+        for rule in alerts()
+        for name in METRIC_TOKEN.findall(str(rule["expr"]))
+        if name not in shown
+    }
+    assert not missing, sorted(missing)
 
 
 def test_the_metric_name_check_can_fail() -> None:
@@ -619,3 +698,147 @@ def test_the_dockerfile_installs_the_wheel_as_a_non_root_user() -> None:
                 assert (ROOT / source).exists(), source
     ignored = (DEPLOY / "Dockerfile.dockerignore").read_text(encoding="utf-8").splitlines()
     assert {".git", ".venv"} <= set(ignored)
+
+
+# -- autoscaling (deploy/k8s/autoscaling: KEDA or a plain HPA, one or the other) --------
+
+
+def component(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A component's kustomization and its one autoscaler object."""
+    directory = AUTOSCALING / name
+    kustomization = load_one(directory / "kustomization.yaml")
+    assert kustomization["kind"] == "Component"
+    on_disk = {p.name for p in directory.glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(kustomization["resources"]) == on_disk, name
+    ((obj,),) = [load_docs(directory / r) for r in kustomization["resources"]]
+    return kustomization, obj
+
+
+def keda() -> dict[str, Any]:
+    return component("keda")[1]
+
+
+def hpa() -> dict[str, Any]:
+    return component("hpa")[1]
+
+
+def config_int(name: str) -> int:
+    config = one("ConfigMap", "enrichq-settings")["data"]
+    value = config.get(name, Settings.model_fields[name.removeprefix("ENRICHQ_").lower()].default)
+    return int(value)
+
+
+def test_there_are_exactly_the_two_autoscaling_alternatives() -> None:
+    assert {p.name for p in AUTOSCALING.iterdir()} == {"keda", "hpa"}
+    assert keda()["apiVersion"] == "keda.sh/v1alpha1"
+    assert keda()["kind"] == "ScaledObject"
+    assert hpa()["apiVersion"] == "autoscaling/v2"
+    assert hpa()["kind"] == "HorizontalPodAutoscaler"
+    # neither is in the base: both at once would fight over the replicas
+    listed = load_one(K8S / "kustomization.yaml")
+    assert "components" not in listed
+    assert not any(r.startswith("autoscaling") for r in listed["resources"])
+
+
+@pytest.mark.parametrize("name", ["keda", "hpa"])
+def test_the_autoscaler_targets_the_worker_and_owns_its_replicas(name: str) -> None:
+    kustomization, obj = component(name)
+    target = obj["spec"]["scaleTargetRef"]
+    assert target["kind"] == "Deployment"
+    worker = one("Deployment", target["name"])
+    assert pod_spec(worker)["containers"][0]["args"] == ["worker"]
+    (patch,) = kustomization["patches"]
+    assert patch["target"]["kind"] == "Deployment"
+    assert patch["target"]["name"] == target["name"]
+    assert yaml.safe_load(patch["patch"]) == [{"op": "remove", "path": "/spec/replicas"}]
+    assert "replicas" in worker["spec"]  # so the remove applies
+
+
+def keda_queries() -> list[str]:
+    triggers = keda()["spec"]["triggers"]
+    assert {t["type"] for t in triggers} == {"prometheus"}
+    return [t["metadata"]["query"] for t in triggers]
+
+
+def test_the_scalers_query_exported_metrics_with_known_labels_taking_max() -> None:
+    exported = exported_metric_names()
+    queries = keda_queries()
+    names = {n for q in queries for n in METRIC_TOKEN.findall(q)}
+    assert names == {"enrichq_queue_oldest_visible_age_seconds", "enrichq_queue_rows"}
+    for query in queries:
+        # a database gauge every process exports: a sum would scale with the pod count
+        assert query.startswith("max("), query
+        assert "sum" not in query, query
+        for label, value in LABEL_MATCHER.findall(query):
+            assert value in LABEL_VOCABULARY[label], query
+    hpa_metrics = {
+        m["external"]["metric"]["name"]: m["external"]["metric"]["selector"]["matchLabels"]
+        for m in hpa()["spec"]["metrics"]
+    }
+    assert set(hpa_metrics) == names
+    assert set(hpa_metrics) <= exported
+    for selector in hpa_metrics.values():
+        for label, value in selector.items():
+            assert value in LABEL_VOCABULARY[label], selector
+    # the same scaling either way: the same selections, thresholds and bounds
+    for trigger, metric in zip(keda()["spec"]["triggers"], hpa()["spec"]["metrics"], strict=True):
+        query = trigger["metadata"]["query"]
+        external = metric["external"]
+        assert external["metric"]["name"] in query
+        assert dict(LABEL_MATCHER.findall(query)) == external["metric"]["selector"]["matchLabels"]
+        assert trigger["metricType"] == external["target"]["type"] == "AverageValue"
+        assert float(trigger["metadata"]["threshold"]) == float(external["target"]["averageValue"])
+    assert keda()["spec"]["minReplicaCount"] == hpa()["spec"]["minReplicas"]
+    assert keda()["spec"]["maxReplicaCount"] == hpa()["spec"]["maxReplicas"]
+
+
+def test_the_age_threshold_scales_to_the_max_before_the_alert_fires() -> None:
+    (trigger,) = [
+        t for t in keda()["spec"]["triggers"] if "oldest_visible" in t["metadata"]["query"]
+    ]
+    (rule,) = [r for r in alerts() if r["alert"] == "EnrichqOldestQueuedTooOld"]
+    bar = float(re.search(r'\{kind="enrich"\}\) > (\d+)', str(rule["expr"])).group(1))  # type: ignore[union-attr]
+    replicas_at_bar = bar / float(trigger["metadata"]["threshold"])
+    assert replicas_at_bar >= keda()["spec"]["maxReplicaCount"]
+
+
+def test_max_replicas_respect_the_warehouse_cap_and_min_is_at_least_one() -> None:
+    """More workers do not make more warehouse slots: at max replicas, the fleet's lookups
+    in flight (workers and serve replicas, ENRICHQ_CONCURRENCY each) fit under the cap
+    when the ConfigMap sets one; and the bound is explained beside it."""
+    spec = keda()["spec"]
+    assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
+    assert spec["minReplicaCount"] <= spec["fallback"]["replicas"] <= spec["maxReplicaCount"]
+    serve = one("Deployment", "enrichq-serve")["spec"]["replicas"]
+    demand = (spec["maxReplicaCount"] + serve) * config_int("ENRICHQ_CONCURRENCY")
+    cap = config_int("ENRICHQ_WAREHOUSE_MAX_CONCURRENCY")
+    assert cap == 0 or demand <= cap, f"{demand} lookups at max replicas > cap {cap}"
+    text = (AUTOSCALING / "keda" / "scaledobject.yaml").read_text(encoding="utf-8")
+    assert "ENRICHQ_WAREHOUSE_MAX_CONCURRENCY" in text
+    assert f"(maxReplicaCount + {serve}) x ENRICHQ_CONCURRENCY" in text
+    assert "#autoscaling-workers" in (AUTOSCALING / "keda" / "kustomization.yaml").read_text(
+        "utf-8"
+    )
+    assert "autoscaling-workers" in markdown_anchors(OPERATIONS)
+
+
+@pytest.mark.parametrize("name", ["keda", "hpa"])
+def test_kustomize_builds_the_base_with_each_autoscaler(name: str, tmp_path: Path) -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed, so `kubectl kustomize` cannot run")
+    copy = tmp_path / "k8s"
+    shutil.copytree(K8S, copy)
+    with (copy / "kustomization.yaml").open("a", encoding="utf-8") as f:
+        f.write(f"components:\n  - autoscaling/{name}\n")
+    result = subprocess.run(
+        [kubectl, "kustomize", str(copy)], capture_output=True, text=True, check=False, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    built = [d for d in yaml.safe_load_all(result.stdout) if d]
+    (worker,) = [
+        d for d in built if d["kind"] == "Deployment" and "worker" in d["metadata"]["name"]
+    ]
+    assert "replicas" not in worker["spec"]
+    (scaler,) = [d for d in built if d["kind"] in {"ScaledObject", "HorizontalPodAutoscaler"}]
+    assert scaler["metadata"]["labels"]["app.kubernetes.io/part-of"] == "enrichq"
