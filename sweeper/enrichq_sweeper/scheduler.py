@@ -24,13 +24,11 @@ from enrichq_schema.process import Exit, process_id, say, stop_on_signals
 from enrichq_schema.settings import Settings
 from enrichq_sweeper import passes
 from enrichq_sweeper.errors import HookError
-from enrichq_sweeper.leader import Leadership, leadership
+from enrichq_sweeper.leader import Leadership, check_seconds, leadership
 from enrichq_sweeper.recovery import GaveUpHook, load_hook
 
 log = logging.getLogger(__name__)
 
-# A follower asks for the lock this often (or every sweep interval, if that is shorter).
-LEADER_RETRY_SECONDS_MAX = 5.0
 RETENTION_INTERVAL_SECONDS = 86_400.0
 SECONDS_PER_HOUR = 3600.0
 SCHEDULER_THREADS = 4
@@ -147,11 +145,6 @@ def _quiet_apscheduler(settings: Settings) -> None:
         logging.getLogger("apscheduler").setLevel(logging.WARNING)
 
 
-def _check_seconds(settings: Settings) -> float:
-    """How often a follower asks for the leadership, and the leader checks it still leads."""
-    return min(LEADER_RETRY_SECONDS_MAX, settings.sweep_interval_seconds)
-
-
 def run_sweeper(
     settings: Settings, url: str, *, once: bool, scheduled_parity: ScheduledTask | None = None
 ) -> int:
@@ -174,7 +167,7 @@ def run_sweeper(
         pool_size=SCHEDULER_THREADS,
         statement_timeout_seconds=settings.statement_timeout_seconds,
     )
-    lock = leadership(settings, url, owner=owner, check_seconds=_check_seconds(settings))
+    lock = leadership(settings, url, owner=owner, check_seconds=check_seconds(settings))
     sweeper = _Sweeper(engine, settings, url, hook, owner, lock, scheduled_parity)
     try:
         problem = _check_schema(engine)
@@ -245,7 +238,7 @@ class _Sweeper:
 
     def lead_or_follow(self) -> int:
         """Follow until the lock is free, lead while it is held, until `stop` is set."""
-        retry_seconds = _check_seconds(self.settings)
+        retry_seconds = check_seconds(self.settings)
         scheduler: Any = None
         leading = threading.Event()
 

@@ -13,8 +13,10 @@ import pytest
 import sqlalchemy as sa
 from tests.support.db import insert_expired_leases
 from tests.support.procs import enrichq_env, spawn, wait_for
+from tests.support.settings import make_settings
+from tests.support.tcpproxy import TcpProxy, target_of, via
 
-from enrichq_sweeper.leader import SWEEPER_LOCK_ID
+from enrichq_sweeper.leader import SWEEPER_LOCK_ID, takeover_seconds
 
 DEADLINE_SECONDS = 30.0
 T = TypeVar("T")
@@ -33,10 +35,15 @@ HOLDERS = sa.text(
 class Sweeper:
     """One `enrichq sweep` process with its output in a file."""
 
-    def __init__(self, db_url: str, log: Path, metrics_port: int = 0) -> None:
-        env = enrichq_env(
-            db_url, sweep_interval_seconds=0.2, metrics_port=metrics_port, log_level="INFO"
-        )
+    def __init__(
+        self,
+        db_url: str,
+        log: Path,
+        metrics_port: int = 0,
+        settings: dict[str, object] | None = None,
+    ) -> None:
+        values: dict[str, object] = {"sweep_interval_seconds": 0.2, **(settings or {})}
+        env = enrichq_env(db_url, metrics_port=metrics_port, log_level="INFO", **values)
         self.log = log
         self.proc = spawn(["sweep"], env, log=log)
         self.owner = f"{socket.gethostname()}:{self.proc.pid}"
@@ -241,3 +248,75 @@ def test_a_leader_whose_lock_session_dies_steps_down_and_leads_again(
         assert sweeper.proc.wait(timeout=DEADLINE_SECONDS) == 0, sweeper.output()
     finally:
         sweeper.stop()
+
+
+# The partitioned leader's settings: a check a second, network timeouts of 2 s.
+PARTITION_SETTINGS: dict[str, object] = {
+    "sweep_interval_seconds": 1.0,
+    "network_timeout_seconds": 2.0,
+}
+# What a process start, a reconnect and a busy machine may add to the documented bound.
+TAKEOVER_SLACK_SECONDS = 10.0
+
+
+def test_a_leader_cut_off_from_the_database_is_replaced_within_the_documented_bound(
+    db_engine: sa.Engine, db_url: str, tmp_path: Path
+) -> None:
+    with db_engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "CREATE SCHEMA helpdesk; CREATE TABLE helpdesk.tickets (id text PRIMARY KEY,"
+                " requester_email text, tenant text, created_at timestamptz,"
+                " updated_at timestamptz)"
+            )
+        )
+    bound = takeover_seconds(make_settings(db_url, **PARTITION_SETTINGS))
+    with TcpProxy(target_of(db_url)) as proxy:
+        cut_off = Sweeper(via(proxy, db_url), tmp_path / "cut-off.log", settings=PARTITION_SETTINGS)
+        standby: Sweeper | None = None
+        try:
+
+            def leader_name() -> str | None:
+                return next(iter(lock_holders(db_engine)), None)
+
+            wait_for(
+                lambda: (leader_name() or "").endswith(cut_off.owner),
+                what="the proxied sweeper to lead",
+                timeout=DEADLINE_SECONDS,
+            )
+            standby = Sweeper(db_url, tmp_path / "standby.log", settings=PARTITION_SETTINGS)
+            wait_for(
+                lambda: standby is not None and standby.owner in connected(db_engine),
+                what="the standby to connect",
+                timeout=DEADLINE_SECONDS,
+            )
+            # the network between the leader and the database goes silent: no FIN, no RST
+            proxy.blackhole()
+            wait_for(
+                lambda: (leader_name() or "").endswith(standby.owner) if standby else False,
+                what=f"the standby to take over within the documented {bound:g} s",
+                timeout=bound + TAKEOVER_SLACK_SECONDS,
+            )
+            insert_expired_leases(db_engine, ["P-1"])
+            wait_for(
+                lambda: leased(db_engine) == 0,
+                what="the new leader to recover the lease",
+                timeout=DEADLINE_SECONDS,
+            )
+            # the old leader noticed it was cut off and stepped down
+            assert "lost the leader lock" in cut_off.output()
+            assert cut_off.proc.poll() is None
+            proxy.heal()
+            # healed, the old leader follows: the standby keeps the lock
+            insert_expired_leases(db_engine, ["P-2"])
+            wait_for(
+                lambda: leased(db_engine) == 0,
+                what="the leader to recover after the heal",
+                timeout=DEADLINE_SECONDS,
+            )
+            assert [n for n in lock_holders(db_engine) if n.endswith(standby.owner)]
+            assert len(lock_holders(db_engine)) == 1
+        finally:
+            cut_off.stop()
+            if standby is not None:
+                standby.stop()

@@ -19,6 +19,18 @@ SELECT set_config('statement_timeout', :timeout_ms, true),
        set_config('plan_cache_mode', 'force_custom_plan', true);
 
 
+-- name: leader_session_settings
+-- Makes the server end the leader's session, and so free its lock, when the leader goes
+-- silent: idle for :idle_ms, or its TCP peer unanswering (keepalives after
+-- :keepalives_idle s, every :keepalives_interval s, :keepalives_count probes; data
+-- unacknowledged for :user_timeout_ms). For the rest of the session.
+SELECT set_config('idle_session_timeout', :idle_ms, false),
+       set_config('tcp_keepalives_idle', :keepalives_idle, false),
+       set_config('tcp_keepalives_interval', :keepalives_interval, false),
+       set_config('tcp_keepalives_count', :keepalives_count, false),
+       set_config('tcp_user_timeout', :user_timeout_ms, false);
+
+
 -- name: sweeper_advisory_lock
 -- Tries the session-level lock that makes one sweeper the leader; true when held.
 SELECT pg_try_advisory_lock(CAST(:lock_id AS bigint));
