@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import logging
 import math
+import secrets
 import time
 from typing import Any
 
@@ -36,6 +37,8 @@ SWEEPER_LEASE_NAME = "sweeper"
 # A lease lasts this many leadership checks: a leader that misses a few checks in a row
 # (a slow database) keeps it, and one that died is replaced within this many.
 LEASE_CHECKS = 6
+# Random bytes after host:pid in a lease row's owner (shown as hex).
+LEASE_OWNER_SUFFIX_BYTES = 4
 # Unanswered keepalive probes after which the server drops the leader's session.
 SERVER_KEEPALIVE_PROBES = 3
 # A follower asks for the leadership this often (or every sweep interval, if that is
@@ -252,7 +255,8 @@ class LeaderLease(Leadership):
         name: str = SWEEPER_LEASE_NAME,
     ) -> None:
         self.name = name
-        self.owner = owner
+        # two replicas may share a host name and a pid (containers: pid 1 each)
+        self.owner = f"{owner}:{secrets.token_hex(LEASE_OWNER_SUFFIX_BYTES)}"
         self.ttl_seconds = ttl_seconds
         self._engine = self._engine_for(settings, url, owner)
         self._renewed = 0.0  # time.monotonic() before the last renewal that succeeded

@@ -218,19 +218,45 @@ class _Sweeper:
         )
 
     def run_once(self) -> int:
-        """Every task once, if no other sweeper leads; 1 when a task failed."""
+        """Every task once, if no other sweeper leads; 1 when a task failed or the
+        leadership was lost on the way (the pass then stops before its next batch)."""
         if not self.lock.try_acquire():
             log.warning("another sweeper holds the leader lock and runs these tasks; nothing done")
             return Exit.OK
         metrics.sweeper_is_leader.set(1)
+        lost = threading.Event()
+        done = threading.Event()
+
+        def keep_leading() -> None:
+            # the lease renewed (or the lock's session checked) every check, as the
+            # scheduled sweeper does, for as long as the tasks run
+            while not done.wait(check_seconds(self.settings)):
+                if not self.lock.still_held():
+                    log.warning("sweeper %s lost the leadership; stopping", self.owner)
+                    lost.set()
+                    return
+
+        keeper = threading.Thread(target=keep_leading, name="sweeper-leadership", daemon=True)
+        keeper.start()
+
+        def should_stop() -> bool:
+            return self.stop.is_set() or lost.is_set()
+
         failed = []
-        for name, job, _ in self.tasks(self.stop.is_set).schedule():
-            if self.stop.is_set():
-                break
-            if not job():
-                failed.append(name)
-        self.lock.release()
-        metrics.sweeper_is_leader.set(0)
+        try:
+            for name, job, _ in self.tasks(should_stop).schedule():
+                if should_stop():
+                    break
+                if not job():
+                    failed.append(name)
+        finally:
+            done.set()
+            keeper.join()
+            self.lock.release()
+            metrics.sweeper_is_leader.set(0)
+        if lost.is_set():
+            say("sweep --once: the leadership was lost during the pass; stopped early")
+            return Exit.FAILED
         if failed:
             say(f"sweep --once: {', '.join(failed)} failed (see the log)")
             return Exit.FAILED
