@@ -60,6 +60,12 @@ def test_downgrading_below_the_review_refuses_while_a_cutover_is_staged(
         with pytest.raises(RuntimeError, match=r"run `enrichq cutover --rollback` before"):
             command.downgrade(cfg, "0002")  # type: ignore[arg-type]
         with engine.connect() as conn:
-            assert current_revision(conn) == head_revision()
+            # one transaction per revision: the revisions above the refusing one are undone,
+            # it and the consumers' view are kept
+            assert current_revision(conn) == "0005"
+            assert (
+                conn.execute(sa.text("SELECT count(*) FROM enrichq_public.ticket_orders")).scalar()
+                == 0
+            )
     finally:
         engine.dispose()

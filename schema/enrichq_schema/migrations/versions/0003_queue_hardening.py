@@ -55,8 +55,10 @@ WHERE q.id = r.id AND r.id <> r.kept
 
 
 def upgrade() -> None:
-    """Add the token and the counts table; swap the indexes (short locks: open rows only,
-    except the two finished-row indexes, which are built over the retained history)."""
+    """Add the token and the counts table; swap the indexes. ACCESS EXCLUSIVE on the queue
+    (the column, the dropped indexes) and SHARE while the indexes build (open rows only,
+    except the two finished-row indexes, built over the retained history): writers queue
+    behind it while it waits and while it builds."""
     op.add_column("queue", sa.Column("claim_token", pg.UUID(as_uuid=True)), schema=SCHEMA)
     op.execute(RESOLVE_DOUBLE_LEASES)
     op.drop_index("queue_leased_key_idx", table_name="queue", schema=SCHEMA)

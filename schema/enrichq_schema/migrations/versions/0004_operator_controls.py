@@ -2,9 +2,9 @@
 
 - `enrichq cancel` moves queued and leased rows to dead_letter with dead_reason
   `cancelled`, so the queue's CHECK on dead reasons allows it. Replacing the check makes
-  Postgres read the queue table once (history included) under the migration's exclusive
-  lock, so claims and settles wait for that scan (the whole upgrade took 0.5 s on a
-  table of a million rows here).
+  Postgres read the queue table once (history included) under the migration's ACCESS
+  EXCLUSIVE lock, so claims and settles wait for that scan (the whole upgrade took 0.5 s
+  on a table of a million rows here), and for as long as the lock itself is waited for.
   A NOT VALID check would skip the scan, but `alembic check` (tests/migrations) then
   fails: SQLAlchemy 2.1 reflects such a constraint with a dialect option that Alembic
   1.20 cannot rebuild.
