@@ -29,9 +29,11 @@ def run_migrations_online() -> None:
     if isinstance(connectable, sa.Connection):
         _run(connectable)
         return
-    with connectable.connect() as connection:
-        _run(connection)
-    connectable.dispose()
+    try:
+        with connectable.connect() as connection:
+            _run(connection)
+    finally:
+        connectable.dispose()
 
 
 def _run(connection: sa.Connection) -> None:

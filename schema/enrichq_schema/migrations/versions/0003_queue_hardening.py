@@ -14,6 +14,12 @@
 - Retention reads the oldest rows of `lookup_log`, `runs` and `tenant_served` by index.
 - `queue_counts`: the terminal counts the sweeper writes once a pass and /metrics reads.
 
+Downgrade loses: every claim token, live leases' included. Upgraded again, a lease taken
+before the downgrade has no token, so its worker's settle and heartbeat are refused by the
+fence: the job is lost, its attempt spent, and the sweeper puts the row back once the
+lease expires. The terminal counts are dropped (the next sweeper pass writes them again).
+The second leases dead-lettered by the upgrade stay dead letters.
+
 Revision ID: 0003
 Revises: 0002
 Create Date: 2026-12-01 22:00:00

@@ -15,6 +15,11 @@
 - `enrichq.seen_events`: webhook event ids seen within ENRICHQ_EVENT_DEDUPE_HOURS, so a
   redelivered event enqueues nothing; pruned by the sweeper's retention pass.
 
+Downgrade loses: the whole audit log (export it first: `enrichq audit --json`), the
+webhook event ids seen (a redelivery within ENRICHQ_EVENT_DEDUPE_HOURS is enqueued again:
+it merges with a queued row, or enriches the ticket once more), and every cancelled dead
+letter (deleted: the older schema has no `cancelled`).
+
 Revision ID: 0004
 Revises: 0003
 Create Date: 2026-12-01 21:41:57

@@ -11,6 +11,10 @@ Every change adds a column with a constant default, a table or a constraint that
 meet, so no table is rewritten; the ACCESS EXCLUSIVE locks are held briefly once granted,
 but writers queue behind each one while it waits for a reader to finish.
 
+Downgrade loses: every reviewer's approval, the fault figures and accept rules of every
+parity run, and which tenant each cutover step moved (refused while a cutover is staged
+per tenant: `enrichq cutover --rollback` first).
+
 Revision ID: 0005
 Revises: 0004
 Create Date: 2026-12-01 21:40:00
