@@ -153,11 +153,17 @@ updated AS (
       AND CASE WHEN q.state = 'leased' THEN q.lease_expires_at < clock.now ELSE false END
     RETURNING q.id, q.payload
 )
+-- what the gave-up hook gets only for spent rows (NULL for the rest: less to send and parse)
 SELECT d.id,
        CASE WHEN d.spent THEN 'exhaust' WHEN d.queued_id IS NOT NULL THEN 'supersede'
             ELSE 'promote' END AS action,
-       d.kind, d.key, d.queued_id AS winner, d.tenant, d.attempts, d.max_attempts,
-       d.lease_owner, d.lease_expires_at,
+       d.kind, d.queued_id AS winner,
+       CASE WHEN d.spent THEN d.key END AS key,
+       CASE WHEN d.spent THEN d.tenant END AS tenant,
+       CASE WHEN d.spent THEN d.attempts END AS attempts,
+       CASE WHEN d.spent THEN d.max_attempts END AS max_attempts,
+       CASE WHEN d.spent THEN d.lease_owner END AS lease_owner,
+       CASE WHEN d.spent THEN d.lease_expires_at END AS lease_expires_at,
        CASE WHEN d.spent THEN u.payload END AS payload
 FROM decided AS d
 JOIN updated AS u ON u.id = d.id
