@@ -44,6 +44,8 @@ SERVER_KEEPALIVE_PROBES = 3
 # A follower asks for the leadership this often (or every sweep interval, if that is
 # shorter), and the leader checks that it still leads as often.
 CHECK_SECONDS_MAX = 5.0
+# The least a leadership statement may run (instant ones, but a loaded server is slow).
+STATEMENT_SECONDS_MIN = 1.0
 
 
 def check_seconds(settings: Settings) -> float:
@@ -51,12 +53,17 @@ def check_seconds(settings: Settings) -> float:
     return min(CHECK_SECONDS_MAX, settings.sweep_interval_seconds)
 
 
+def statement_seconds(settings: Settings) -> float:
+    """The statement timeout of the leadership's connection: a check's worth, at least 1 s."""
+    return max(STATEMENT_SECONDS_MIN, check_seconds(settings))
+
+
 def reply_seconds(settings: Settings) -> float:
     """How long the leader waits for any one reply on its connection before it lets go:
-    its statements are instant, so a check's worth of statement time plus the network
-    timeout (ENRICHQ_NETWORK_TIMEOUT_SECONDS, its default when that is 0)."""
+    its statement timeout plus the network timeout (ENRICHQ_NETWORK_TIMEOUT_SECONDS, its
+    default when that is 0)."""
     network = settings.network_timeout_seconds or NETWORK_TIMEOUT_SECONDS_DEFAULT
-    return check_seconds(settings) + network
+    return statement_seconds(settings) + network
 
 
 def idle_session_seconds(settings: Settings) -> float:
@@ -98,20 +105,19 @@ class Leadership(abc.ABC):
     @staticmethod
     def _engine_for(settings: Settings, url: str, owner: str, **options: Any) -> sa.Engine:
         """The one-connection engine the leadership is held over: every wait for a reply
-        on it ends within `reply_seconds` (its statements are instant: each may run for a
-        check's worth of time, and the network gets its timeout on top)."""
+        on it ends within `reply_seconds`."""
         from enrichq_schema.db import create_engine
 
         # application_name shows who leads in pg_stat_activity (Postgres keeps 63 bytes).
         name = f"enrichq-sweeper {owner}"[:63]
-        check = check_seconds(settings)
+        statement = statement_seconds(settings)
         return create_engine(
             url,
             application_name=name,
             pool_size=1,
             pool_mode=settings.pool_mode,
-            statement_timeout_seconds=check,
-            network_timeout_seconds=reply_seconds(settings) - check,
+            statement_timeout_seconds=statement,
+            network_timeout_seconds=reply_seconds(settings) - statement,
             **options,
         )
 
