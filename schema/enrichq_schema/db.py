@@ -29,6 +29,14 @@ RACE_RERUNS = 5
 # psycopg's prepare_threshold: never prepare by itself, yet honour execute(prepare=True)
 NEVER_AUTO_PREPARE = 2**31 - 1
 
+# `enrichq migrate`: how long a revision may wait for a table lock, how many times it is
+# tried, and the pause between tries (in which the writers queued behind it get through).
+MIGRATE_LOCK_TIMEOUT_SECONDS = 2.0
+MIGRATE_LOCK_TRIES = 3
+MIGRATE_RETRY_PAUSE_SECONDS = 1.0
+# SQLSTATE of a lock wait that ran out (lock_not_available).
+LOCK_NOT_AVAILABLE = "55P03"
+
 EMBEDDED_DATABASE = "enrichq"
 MIGRATIONS = Path(__file__).parent / "migrations"
 
@@ -232,11 +240,80 @@ def alembic_config(url: str) -> object:
     return cfg
 
 
-def migrate(url: str, revision: str = "head") -> None:
-    """Upgrade the database to `revision`; a no-op when it is already there."""
+def migrate(
+    url: str,
+    revision: str = "head",
+    *,
+    lock_timeout_seconds: float = MIGRATE_LOCK_TIMEOUT_SECONDS,
+    tries: int = MIGRATE_LOCK_TRIES,
+) -> None:
+    """Upgrade the database to `revision`, one transaction per revision; a no-op when it
+    is already there.
+
+    A revision waits at most `lock_timeout_seconds` for a table lock: while it waits,
+    every claim, heartbeat and settle that needs the table queues behind its pending lock.
+    It is tried `tries` times (the revisions already committed stay), then MigrationLocked
+    names the session holding the lock.
+    """
+    import sqlalchemy.exc as sa_exc
     from alembic import command
 
-    command.upgrade(alembic_config(url), revision)  # type: ignore[arg-type]  # alembic's stubs want its own Config subclass
+    from enrichq_schema.errors import MigrationLocked
+
+    config = alembic_config(url)
+    config.attributes["lock_timeout_ms"] = max(1, int(lock_timeout_seconds * 1000))  # type: ignore[attr-defined]  # alembic's Config, typed object here
+    for attempt in range(1, tries + 1):
+        try:
+            command.upgrade(config, revision)  # type: ignore[arg-type]  # alembic's stubs want its own Config subclass
+            return
+        except sa_exc.OperationalError as exc:
+            if getattr(exc.orig, "sqlstate", None) != LOCK_NOT_AVAILABLE:
+                raise
+            holder = _lock_holder(url)
+            log.info(
+                "migrate: try %d of %d waited %g s for a lock (%s)",
+                attempt,
+                tries,
+                lock_timeout_seconds,
+                holder,
+            )
+            if attempt == tries:
+                raise MigrationLocked(
+                    f"gave up after {tries} waits of {lock_timeout_seconds:g} s for a table "
+                    f"lock held by {holder}; the schema is at revision "
+                    f"{_revision_of(url) or 'none'} (end that session, or run migrate again)"
+                ) from None
+            time.sleep(MIGRATE_RETRY_PAUSE_SECONDS)
+
+
+def _lock_holder(url: str) -> str:
+    """Who holds a lock on enrichq's tables, oldest transaction first, in a phrase."""
+    from enrichq_schema.queries import load
+
+    engine = create_engine(url, application_name="enrichq-migrate", pool_size=1)
+    try:
+        with engine.connect() as conn:
+            row = conn.execute(
+                load("enrichq_schema", "sql/migrate.sql")("migrate_lock_holders"), {"limit": 1}
+            ).first()
+    finally:
+        engine.dispose()
+    if row is None:
+        return "a session that has ended since"
+    started = row.query_start.isoformat(timespec="seconds") if row.query_start else "unknown"
+    return (
+        f"pid {row.pid} (application_name {row.application_name!r}, {row.mode} on "
+        f"{row.relation}, query started {started}, {row.state})"
+    )
+
+
+def _revision_of(url: str) -> str | None:
+    engine = create_engine(url, application_name="enrichq-migrate", pool_size=1)
+    try:
+        with engine.connect() as conn:
+            return current_revision(conn)
+    finally:
+        engine.dispose()
 
 
 def current_revision(conn: sa.Connection) -> str | None:

@@ -14,6 +14,10 @@ class SettingsError(EnrichqError):
     """The configuration is invalid."""
 
 
+class MigrationLocked(EnrichqError):
+    """A migration could not get a table lock in time."""
+
+
 def constraint_name(exc: BaseException) -> str | None:
     """The name of the constraint a driver error violated, if any (never parsed from text)."""
     orig = getattr(exc, "orig", exc)

@@ -55,3 +55,35 @@ def finish(
             "now": now,
         },
     )
+
+
+# The error text of a run the sweeper closed as lost.
+LOST_ERROR = "no sign of life from its process (killed, frozen or cut off); closed by the sweeper"
+
+
+def seen(conn: sa.Connection, run_id: int, *, now: datetime | None = None) -> None:
+    """Stamp an open run with a sign of life (a no-op once it is closed)."""
+    conn.execute(SQL("runs_seen"), {"id": run_id, "now": now})
+
+
+def close_silent(
+    conn: sa.Connection,
+    *,
+    worker_silent_seconds: float,
+    other_silent_seconds: float,
+    limit: int,
+    now: datetime | None = None,
+) -> dict[str, int]:
+    """Close (stop reason `lost`) up to `limit` open runs silent for longer than their
+    component's bound; how many per component."""
+    rows = conn.execute(
+        SQL("runs_close_silent"),
+        {
+            "worker_silent_seconds": worker_silent_seconds,
+            "other_silent_seconds": other_silent_seconds,
+            "limit": limit,
+            "error": LOST_ERROR,
+            "now": now,
+        },
+    ).all()
+    return {str(r.component): int(r.n) for r in rows}

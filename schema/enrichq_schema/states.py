@@ -78,13 +78,15 @@ class Component(StrEnum):
 
 
 class StopReason(StrEnum):
-    """Why a run ended; all but `error` are healthy."""
+    """Why a run ended; all but `error` and `lost` are healthy."""
 
     NO_WORK = "no_work"
     TIME_BUDGET = "time_budget"
     BUDGET_EXHAUSTED = "budget_exhausted"
     SHUTDOWN = "shutdown"
     ERROR = "error"
+    # closed by the sweeper: the process stopped giving signs of life (killed, frozen, cut off)
+    LOST = "lost"
 
 
 class Plan(StrEnum):

@@ -338,6 +338,8 @@ runs = sa.Table(
     sa.Column("owner", sa.Text, nullable=False),
     _at("started_at", server_default=_now()),
     _at("finished_at", nullable=True),
+    # the run's last sign of life: its start, then each of its worker's heartbeats
+    _at("seen_at", server_default=_now()),
     sa.Column("stop_reason", sa.Text),
     sa.Column("counts", pg.JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
     sa.Column("error", sa.Text),
@@ -349,6 +351,8 @@ runs = sa.Table(
     sa.Index("runs_component_started_at_idx", "component", "started_at"),
     # Retention deletes the runs that ended longest ago first, a page at a time.
     sa.Index("runs_finished_at_idx", "finished_at"),
+    # The sweeper closes the open runs that went silent (stop reason `lost`).
+    sa.Index("runs_open_seen_at_idx", "seen_at", postgresql_where=sa.text("finished_at IS NULL")),
 )
 
 parity_runs = sa.Table(

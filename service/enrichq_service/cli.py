@@ -105,11 +105,16 @@ def migrate(ctx: Context, check: bool, wait: float | None) -> None:
     ctx.settings  # noqa: B018 -- a bad setting stops the command before any connection
     from enrichq_schema.db import migrate as run_migrations
     from enrichq_schema.db import redact
+    from enrichq_schema.errors import MigrationLocked
 
     with ctx.database() as url:
         if check:
             sys.exit(_check_schema(ctx.settings, url, wait))
-        run_migrations(url)
+        try:
+            run_migrations(url)
+        except MigrationLocked as exc:
+            say(f"migrate: {exc}")
+            sys.exit(Exit.FAILED)
         click.echo(f"migrated {redact(url)} to head")
 
 

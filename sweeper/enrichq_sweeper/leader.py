@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import abc
 import logging
+import math
+import secrets
 import time
 from typing import Any
 
 import sqlalchemy as sa
 
-from enrichq_schema.settings import Settings
+from enrichq_schema.settings import NETWORK_TIMEOUT_SECONDS_DEFAULT, Settings
 from enrichq_schema.states import PoolMode
 from enrichq_sweeper.common import sql
 
@@ -35,6 +37,52 @@ SWEEPER_LEASE_NAME = "sweeper"
 # A lease lasts this many leadership checks: a leader that misses a few checks in a row
 # (a slow database) keeps it, and one that died is replaced within this many.
 LEASE_CHECKS = 6
+# Random bytes after host:pid in a lease row's owner (shown as hex).
+LEASE_OWNER_SUFFIX_BYTES = 4
+# Unanswered keepalive probes after which the server drops the leader's session.
+SERVER_KEEPALIVE_PROBES = 3
+# A follower asks for the leadership this often (or every sweep interval, if that is
+# shorter), and the leader checks that it still leads as often.
+CHECK_SECONDS_MAX = 5.0
+# The least a leadership statement may run (instant ones, but a loaded server is slow).
+STATEMENT_SECONDS_MIN = 1.0
+
+
+def check_seconds(settings: Settings) -> float:
+    """How often a follower asks for the leadership, and the leader checks it still leads."""
+    return min(CHECK_SECONDS_MAX, settings.sweep_interval_seconds)
+
+
+def statement_seconds(settings: Settings) -> float:
+    """The statement timeout of the leadership's connection: a check's worth, at least 1 s."""
+    return max(STATEMENT_SECONDS_MIN, check_seconds(settings))
+
+
+def reply_seconds(settings: Settings) -> float:
+    """How long the leader waits for any one reply on its connection before it lets go:
+    its statement timeout plus the network timeout (ENRICHQ_NETWORK_TIMEOUT_SECONDS, its
+    default when that is 0)."""
+    network = settings.network_timeout_seconds or NETWORK_TIMEOUT_SECONDS_DEFAULT
+    return statement_seconds(settings) + network
+
+
+def idle_session_seconds(settings: Settings) -> float:
+    """How long the server keeps the leader's session while it says nothing (session mode):
+    long enough for a leader that checks every `check_seconds` never to hit it, and longer
+    than the leader's own reply wait plus a check, so a cut-off leader knows it lost the
+    lock before the server hands it to another."""
+    check = check_seconds(settings)
+    return max(LEASE_CHECKS * check, reply_seconds(settings) + 2 * check)
+
+
+def takeover_seconds(settings: Settings) -> float:
+    """The longest a follower waits to lead after the leader is cut off from the database
+    (or frozen, or killed): the server ends the leader's session (or its lease runs out),
+    then the follower's next try leads."""
+    check = check_seconds(settings)
+    if settings.pool_mode is PoolMode.TRANSACTION:
+        return LEASE_CHECKS * check + check
+    return idle_session_seconds(settings) + check
 
 
 class Leadership(abc.ABC):
@@ -56,12 +104,22 @@ class Leadership(abc.ABC):
 
     @staticmethod
     def _engine_for(settings: Settings, url: str, owner: str, **options: Any) -> sa.Engine:
-        """The one-connection engine the leadership is held over."""
-        from enrichq_schema.connections import create_engine
+        """The one-connection engine the leadership is held over: every wait for a reply
+        on it ends within `reply_seconds`."""
+        from enrichq_schema.db import create_engine
 
         # application_name shows who leads in pg_stat_activity (Postgres keeps 63 bytes).
         name = f"enrichq-sweeper {owner}"[:63]
-        return create_engine(settings, url, application_name=name, pool_size=1, **options)
+        statement = statement_seconds(settings)
+        return create_engine(
+            url,
+            application_name=name,
+            pool_size=1,
+            pool_mode=settings.pool_mode,
+            statement_timeout_seconds=statement,
+            network_timeout_seconds=reply_seconds(settings) - statement,
+            **options,
+        )
 
     @abc.abstractmethod
     def _take(self) -> bool:
@@ -89,8 +147,30 @@ def leadership(
     return LeaderLock(settings, url, owner=owner)
 
 
+def server_session_params(settings: Settings) -> dict[str, str]:
+    """The leader session's server settings (milliseconds or seconds, as text): the idle
+    session timeout, and TCP keepalives and a user timeout that notice a dead peer within
+    the network timeout."""
+    network = settings.network_timeout_seconds or NETWORK_TIMEOUT_SECONDS_DEFAULT
+    return {
+        "idle_ms": str(int(idle_session_seconds(settings) * 1000)),
+        "keepalives_idle": str(max(1, math.ceil(network / 2))),
+        "keepalives_interval": str(max(1, math.ceil(network / 2 / SERVER_KEEPALIVE_PROBES))),
+        "keepalives_count": str(SERVER_KEEPALIVE_PROBES),
+        "user_timeout_ms": str(max(1, int(network * 1000))),
+    }
+
+
+def _compiled(statement: Any, engine: sa.Engine, params: dict[str, str]) -> tuple[str, Any]:
+    """`statement` with `params` as the DBAPI cursor takes them."""
+    compiled = statement.compile(dialect=engine.dialect)
+    return compiled.string, compiled.construct_params(params)
+
+
 class LeaderLock(Leadership):
-    """The sweeper leader lock, held on its own connection of `url`."""
+    """The sweeper leader lock, held on its own connection of `url`. The server ends that
+    session (and so frees the lock) when this process goes silent for
+    `idle_session_seconds`, or its TCP peer stops answering for the network timeout."""
 
     def __init__(
         self, settings: Settings, url: str, *, owner: str, lock_id: int = SWEEPER_LOCK_ID
@@ -98,6 +178,18 @@ class LeaderLock(Leadership):
         self.lock_id = lock_id
         self._engine = self._engine_for(settings, url, owner, isolation_level="AUTOCOMMIT")
         self._conn: sa.Connection | None = None
+        params = server_session_params(settings)
+
+        @sa.event.listens_for(self._engine, "connect")
+        def _cut_off_sessions_end(dbapi_connection: Any, record: Any) -> None:
+            # the server ends the session, and so frees the lock, when this process goes
+            # silent: idle too long (a partition behind a proxy that still acknowledges
+            # our packets), or its TCP peer gone (a real partition, a dead host)
+            with dbapi_connection.cursor() as cursor:
+                statement = sql()("leader_session_settings")
+                cursor.execute(*_compiled(statement, self._engine, params))
+            if not dbapi_connection.autocommit:
+                dbapi_connection.commit()
 
     def _take(self) -> bool:
         if self._conn is None:
@@ -169,10 +261,10 @@ class LeaderLease(Leadership):
         name: str = SWEEPER_LEASE_NAME,
     ) -> None:
         self.name = name
-        self.owner = owner
+        # two replicas may share a host name and a pid (containers: pid 1 each)
+        self.owner = f"{owner}:{secrets.token_hex(LEASE_OWNER_SUFFIX_BYTES)}"
         self.ttl_seconds = ttl_seconds
-        timeout = settings.statement_timeout_seconds
-        self._engine = self._engine_for(settings, url, owner, statement_timeout_seconds=timeout)
+        self._engine = self._engine_for(settings, url, owner)
         self._renewed = 0.0  # time.monotonic() before the last renewal that succeeded
 
     def still_held(self) -> bool:

@@ -28,6 +28,13 @@ from enrichq_sweeper import counts, recovery, refresh, retention
 log = logging.getLogger(__name__)
 
 ERROR_MAX_CHARS = 1000
+# An open worker run whose heartbeat has not stamped it for this many leases is lost (its
+# heartbeat stamps it at least twice a lease); sweeper and parity runs, stamped only when
+# they start, after a day.
+RUN_LOST_AFTER_LEASES = 3
+RUN_LOST_AFTER_SECONDS_OTHERS = 86_400.0
+# Lost runs closed per transaction.
+LOST_RUNS_BATCH = 1000
 
 
 class Task(StrEnum):
@@ -154,7 +161,7 @@ def recovery_pass(
     gave_up_hook: recovery.GaveUpHook | None = recovery.log_gave_up,
     **options: Unpack[PassOptions],
 ) -> PassCounts:
-    """One lease-recovery pass, logged and counted."""
+    """One lease-recovery pass, then the silent runs closed as lost; logged and counted."""
     result = recovery.run_once(
         engine,
         now=options.get("now"),
@@ -177,7 +184,29 @@ def recovery_pass(
             result.superseded,
             result.exhausted,
         )
-    return result.counts(), result.stopped
+    lost = close_lost_runs(engine, settings, now=options.get("now"))
+    return {**result.counts(), "lost_runs": lost}, result.stopped
+
+
+def close_lost_runs(engine: sa.Engine, settings: Settings, *, now: datetime | None = None) -> int:
+    """Close the open runs that went silent (stop reason `lost`), a page per transaction, so
+    retention prunes them like any finished run; how many."""
+    closed = 0
+    while True:
+        with engine.begin() as conn:
+            by_component = runlog.close_silent(
+                conn,
+                worker_silent_seconds=RUN_LOST_AFTER_LEASES * settings.lease_seconds,
+                other_silent_seconds=RUN_LOST_AFTER_SECONDS_OTHERS,
+                limit=LOST_RUNS_BATCH,
+                now=now,
+            )
+        page = sum(by_component.values())
+        closed += page
+        for component, n in by_component.items():
+            log.warning("closed %d %s run(s) that gave no sign of life as lost", n, component)
+        if page < LOST_RUNS_BATCH:
+            return closed
 
 
 @logged(Task.REFRESH)

@@ -136,13 +136,19 @@ def lock_order(row: Expired) -> tuple[bytes, bytes, int]:
 
 
 def recover_batch(
-    conn: sa.Connection, page: Sequence[Expired], *, now: datetime | None = None
+    conn: sa.Connection,
+    page: Sequence[Expired],
+    *,
+    now: datetime | None = None,
+    rerun_lost_races: bool = True,
 ) -> BatchOutcome:
     """Recover the rows of `page` that are still expired leases; the caller commits.
 
     A row settled or extended by its worker since the scan is left alone. An enqueue of
-    one of the keys that commits during the statement makes it run again, never a
-    violation of the queued-key index.
+    one of the keys that commits during the statement makes it run again (in a savepoint),
+    never a violation of the queued-key index; with `rerun_lost_races=False` there is no
+    savepoint (two round trips fewer) and that violation reaches the caller, whose
+    transaction is then spent: `run_once` rolls it back and does the page again.
     """
     if not page:
         return BatchOutcome()
@@ -155,7 +161,11 @@ def recover_batch(
         "channel": NOTIFY_CHANNEL,
         "now": now,
     }
-    rows = retry_races(conn, lambda: conn.execute(sql()("recovery_recover_batch"), params).all())
+
+    def write() -> Sequence[sa.Row[Any]]:
+        return conn.execute(sql()("recovery_recover_batch"), params).all()
+
+    rows = retry_races(conn, write) if rerun_lost_races else write()
     promoted: list[int] = []
     superseded: list[tuple[int, int]] = []
     exhausted: list[GaveUp] = []
@@ -169,6 +179,29 @@ def recover_batch(
         else:
             exhausted.append(as_record(GaveUp, r))
     return BatchOutcome(tuple(promoted), tuple(superseded), tuple(exhausted), frozenset(kinds))
+
+
+def _recover_page(
+    conn: sa.Connection, page: Sequence[Expired], now: datetime | None, *, savepoint: bool
+) -> BatchOutcome | None:
+    """`recover_batch`, without a savepoint unless asked; None (and the transaction rolled
+    back) when an enqueue committed during the write took a key's queued slot: the caller
+    does the page again, from a new scan that sees that row (with a savepoint then, so a
+    key enqueued over and over cannot keep the page from finishing)."""
+    if savepoint:
+        return recover_batch(conn, page, now=now)
+    import sqlalchemy.exc as sa_exc
+
+    from enrichq_schema.errors import constraint_name
+    from enrichq_schema.tables import QUEUED_KEY_INDEX
+
+    try:
+        return recover_batch(conn, page, now=now, rerun_lost_races=False)
+    except sa_exc.IntegrityError as exc:
+        if constraint_name(exc) != QUEUED_KEY_INDEX:
+            raise
+        conn.rollback()
+        return None
 
 
 def run_once(
@@ -194,36 +227,41 @@ def run_once(
     started = time.perf_counter()
     promoted = superseded = exhausted = batches = max_rows = hook_errors = 0
     max_held = 0.0
-    stopped = False
+    stopped = lost_race = False
     after_id = 0
-    while True:
-        if should_stop is not None and should_stop():
-            stopped = True
-            break
-        with engine.begin() as conn:
-            set_statement_timeout(conn, statement_timeout_seconds)
-            page = scan(conn, after_id=after_id, batch_size=batch_size, now=now)
-            if not page:
+    # one connection for the whole pass: no pool checkout (and its liveness ping) per page
+    with engine.connect() as conn:
+        while True:
+            if should_stop is not None and should_stop():
+                stopped = True
                 break
-            locked_at = time.perf_counter()
-            outcome = recover_batch(conn, page, now=now)
-        # from the write's first lock to the commit that released them
-        max_held = max(max_held, time.perf_counter() - locked_at)
-        batches += 1
-        max_rows = max(max_rows, outcome.rows)
-        promoted += len(outcome.promoted)
-        superseded += len(outcome.superseded)
-        exhausted += len(outcome.exhausted)
-        if outcome.exhausted and gave_up_hook is not None:
-            try:
-                gave_up_hook(outcome.exhausted)
-            except Exception:
-                hook_errors += 1
-                ids = ", ".join(str(g.id) for g in outcome.exhausted)
-                log.exception("the gave-up hook failed for queue ids %s", ids)
-        after_id = page[-1].id
-        if len(page) < batch_size:
-            break
+            with conn.begin():
+                set_statement_timeout(conn, statement_timeout_seconds)
+                page = scan(conn, after_id=after_id, batch_size=batch_size, now=now)
+                if not page:
+                    break
+                locked_at = time.perf_counter()
+                outcome = _recover_page(conn, page, now, savepoint=lost_race)
+            lost_race = outcome is None
+            if outcome is None:
+                continue  # an enqueue won the race for a key: the page again, from its scan
+            # from the write's first lock to the commit that released them
+            max_held = max(max_held, time.perf_counter() - locked_at)
+            batches += 1
+            max_rows = max(max_rows, outcome.rows)
+            promoted += len(outcome.promoted)
+            superseded += len(outcome.superseded)
+            exhausted += len(outcome.exhausted)
+            if outcome.exhausted and gave_up_hook is not None:
+                try:
+                    gave_up_hook(outcome.exhausted)
+                except Exception:
+                    hook_errors += 1
+                    ids = ", ".join(str(g.id) for g in outcome.exhausted)
+                    log.exception("the gave-up hook failed for queue ids %s", ids)
+            after_id = page[-1].id
+            if len(page) < batch_size:
+                break
     return RecoveryResult(
         promoted=promoted,
         superseded=superseded,

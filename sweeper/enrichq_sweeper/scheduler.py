@@ -26,13 +26,11 @@ from enrichq_schema.process import Exit, process_id, say, stop_on_signals
 from enrichq_schema.settings import Settings
 from enrichq_sweeper import passes
 from enrichq_sweeper.errors import HookError
-from enrichq_sweeper.leader import Leadership, leadership
+from enrichq_sweeper.leader import Leadership, check_seconds, leadership
 from enrichq_sweeper.recovery import GaveUpHook, load_hook
 
 log = logging.getLogger(__name__)
 
-# A follower asks for the lock this often (or every sweep interval, if that is shorter).
-LEADER_RETRY_SECONDS_MAX = 5.0
 RETENTION_INTERVAL_SECONDS = 86_400.0
 SECONDS_PER_HOUR = 3600.0
 SCHEDULER_THREADS = 4
@@ -135,11 +133,6 @@ def _quiet_apscheduler(settings: Settings) -> None:
         logging.getLogger("apscheduler").setLevel(logging.WARNING)
 
 
-def _check_seconds(settings: Settings) -> float:
-    """How often a follower asks for the leadership, and the leader checks it still leads."""
-    return min(LEADER_RETRY_SECONDS_MAX, settings.sweep_interval_seconds)
-
-
 def run_sweeper(
     settings: Settings,
     url: str,
@@ -167,7 +160,7 @@ def run_sweeper(
         pool_size=SCHEDULER_THREADS,
         statement_timeout_seconds=settings.statement_timeout_seconds,
     )
-    lock = leadership(settings, url, owner=owner, check_seconds=_check_seconds(settings))
+    lock = leadership(settings, url, owner=owner, check_seconds=check_seconds(settings))
     sweeper = _Sweeper(engine, settings, url, hook, owner, lock, scheduled_parity)
     try:
         _quiet_apscheduler(settings)
@@ -218,19 +211,45 @@ class _Sweeper:
         )
 
     def run_once(self) -> int:
-        """Every task once, if no other sweeper leads; 1 when a task failed."""
+        """Every task once, if no other sweeper leads; 1 when a task failed or the
+        leadership was lost on the way (the pass then stops before its next batch)."""
         if not self.lock.try_acquire():
             log.warning("another sweeper holds the leader lock and runs these tasks; nothing done")
             return Exit.OK
         metrics.sweeper_is_leader.set(1)
+        lost = threading.Event()
+        done = threading.Event()
+
+        def keep_leading() -> None:
+            # the lease renewed (or the lock's session checked) every check, as the
+            # scheduled sweeper does, for as long as the tasks run
+            while not done.wait(check_seconds(self.settings)):
+                if not self.lock.still_held():
+                    log.warning("sweeper %s lost the leadership; stopping", self.owner)
+                    lost.set()
+                    return
+
+        keeper = threading.Thread(target=keep_leading, name="sweeper-leadership", daemon=True)
+        keeper.start()
+
+        def should_stop() -> bool:
+            return self.stop.is_set() or lost.is_set()
+
         failed = []
-        for name, job, _ in self.tasks(self.stop.is_set).schedule():
-            if self.stop.is_set():
-                break
-            if not job():
-                failed.append(name)
-        self.lock.release()
-        metrics.sweeper_is_leader.set(0)
+        try:
+            for name, job, _ in self.tasks(should_stop).schedule():
+                if should_stop():
+                    break
+                if not job():
+                    failed.append(name)
+        finally:
+            done.set()
+            keeper.join()
+            self.lock.release()
+            metrics.sweeper_is_leader.set(0)
+        if lost.is_set():
+            say("sweep --once: the leadership was lost during the pass; stopped early")
+            return Exit.FAILED
         if failed:
             say(f"sweep --once: {', '.join(failed)} failed (see the log)")
             return Exit.FAILED
@@ -238,7 +257,7 @@ class _Sweeper:
 
     def lead_or_follow(self) -> int:
         """Follow until the lock is free, lead while it is held, until `stop` is set."""
-        retry_seconds = _check_seconds(self.settings)
+        retry_seconds = check_seconds(self.settings)
         scheduler: Any = None
         leading = threading.Event()
 

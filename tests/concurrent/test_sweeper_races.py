@@ -153,3 +153,39 @@ def test_an_enqueue_committed_during_the_batch_supersedes_instead_of_failing(
         queued_id,
     )
     assert get(db_engine, queued_id).state == "queued"
+
+
+def test_a_whole_pass_whose_write_loses_an_enqueue_race_does_the_page_again(
+    db_engine: sa.Engine,
+) -> None:
+    """run_once writes a page without a savepoint: the violation rolls the page back, and
+    the page is done again from a scan that sees the new queued row."""
+    with db_engine.begin() as conn:
+        lost = expired(conn, "T-1")
+        other = expired(conn, "T-2")
+    with db_engine.connect() as conn:
+        tx = conn.begin()
+        [queued_id] = conn.execute(
+            sa.insert(queue)
+            .values(kind="enrich", key="T-1", reason="updated", max_attempts=5)
+            .returning(queue.c.id)
+        ).scalars()
+        pool = ThreadPoolExecutor(max_workers=1)
+        job = pool.submit(lambda: recovery.run_once(db_engine, now=T0, gave_up_hook=None))
+        try:
+            # the pass's promotion of T-1 waits on the uncommitted queued row's index entry
+            def waiting() -> bool:
+                with db_engine.connect() as probe:
+                    return bool(probe.execute(WAITING).scalar_one())
+
+            wait_for(waiting, timeout=DEADLINE_SECONDS, interval=0.02, what="the pass to wait")
+            tx.commit()
+            result = job.result(timeout=DEADLINE_SECONDS)
+        finally:
+            if tx.is_active:
+                tx.rollback()
+            pool.shutdown(wait=True)
+    assert (result.promoted, result.superseded) == (1, 1)
+    row = get(db_engine, lost)
+    assert (row.state, row.superseded_by) == ("dead_letter", queued_id)
+    assert get(db_engine, other).state == "queued"

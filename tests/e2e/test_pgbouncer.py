@@ -104,8 +104,9 @@ def test_transaction_mode_listens_only_on_the_listen_url(
 
 
 def lease_owner(engine: sa.Engine) -> str | None:
+    """host:pid of the sweeper that leads (a lease owner is host:pid:random)."""
     rows = q(engine, "SELECT owner FROM enrichq.leader_leases WHERE expires_at > now()")
-    return str(rows[0][0]) if rows else None
+    return str(rows[0][0]).rsplit(":", 1)[0] if rows else None
 
 
 def test_sweepers_lead_by_a_lease_row_and_take_over_when_the_leader_dies(

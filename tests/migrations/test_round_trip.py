@@ -60,6 +60,37 @@ def test_downgrading_below_the_review_refuses_while_a_cutover_is_staged(
         with pytest.raises(RuntimeError, match=r"run `enrichq cutover --rollback` before"):
             command.downgrade(cfg, "0002")  # type: ignore[arg-type]
         with engine.connect() as conn:
-            assert current_revision(conn) == head_revision()
+            # one transaction per revision: the revisions above the refusing one are undone,
+            # it and the consumers' view are kept
+            assert current_revision(conn) == "0005"
+            assert (
+                conn.execute(sa.text("SELECT count(*) FROM enrichq_public.ticket_orders")).scalar()
+                == 0
+            )
+    finally:
+        engine.dispose()
+
+
+def test_downgrading_below_the_pauses_refuses_while_claims_are_paused(
+    databases: Databases,
+) -> None:
+    """The older schema cannot keep a pause: dropping it would let every claim through
+    again, unannounced, so the downgrade stops and says what to do first."""
+    url = databases.create_empty("paused")
+    cfg = alembic_config(url)
+    command.upgrade(cfg, "head")  # type: ignore[arg-type]
+    engine = create_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(
+                "INSERT INTO enrichq.pauses (kind, tenant, reason, paused_by)"
+                " VALUES ('enrich', 'acme', 'warehouse migration', 'ops')"
+            )
+        with pytest.raises(RuntimeError, match=r"enrichq resume"):
+            command.downgrade(cfg, "0006")  # type: ignore[arg-type]
+        with engine.connect() as conn:
+            assert current_revision(conn) == "0007"
+            paused = conn.exec_driver_sql("SELECT kind, tenant FROM enrichq.pauses").all()
+            assert [tuple(r) for r in paused] == [("enrich", "acme")]
     finally:
         engine.dispose()

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import sqlalchemy as sa
 import sqlalchemy.exc as sa_exc
 
-from enrichq_schema import metrics
+from enrichq_schema import metrics, runlog
 from enrichq_schema.settings import Settings
 from enrichq_service import queue as q
 from enrichq_service.enrich import error_text
@@ -47,11 +47,14 @@ class Heartbeat:
     _admission: Admission
     # time.monotonic() when the last heartbeat reached the database (or had nothing to do)
     _last: float = field(default_factory=time.monotonic, init=False)
+    # this worker's run-log row, stamped by every beat: the sweeper closes runs gone silent
+    run_id: int | None = field(default=None, init=False)
 
     def run(self, stop: threading.Event) -> None:
         period = self._settings.heartbeat_seconds
         while not stop.wait(period):
             self.beat()
+            self.stamp_run()  # after the leases: they matter more
 
     def watch(self, stop: threading.Event) -> None:
         """Until stopped, lose the jobs whose lease went a whole lease unconfirmed."""
@@ -74,6 +77,17 @@ class Heartbeat:
                 len(lost),
             )
         return len(lost)
+
+    def stamp_run(self) -> None:
+        """Give this worker's run row a sign of life, in a transaction of its own (a slow
+        run log never holds the leases back); a failure is only logged."""
+        if self.run_id is None:
+            return
+        try:
+            with self._engine.begin() as conn:
+                runlog.seen(conn, self.run_id)
+        except sa_exc.SQLAlchemyError as exc:
+            log.warning("run log not stamped (%s)", error_text(exc))
 
     def beat(self) -> None:
         metrics.heartbeat_lag_seconds.set(time.monotonic() - self._last)

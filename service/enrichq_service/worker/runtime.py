@@ -220,6 +220,7 @@ class Worker:
         """Work until stopped, out of time budget, or (with `drain`) out of visible work."""
         began_at = datetime.now(UTC)
         run_id = self._start_run()
+        self.heartbeat.run_id = run_id
         started = time.monotonic()
         parts_stop = threading.Event()  # heartbeat and listener
         settler_stop, settler_give_up = threading.Event(), threading.Event()

@@ -19,6 +19,18 @@ SELECT set_config('statement_timeout', :timeout_ms, true),
        set_config('plan_cache_mode', 'force_custom_plan', true);
 
 
+-- name: leader_session_settings
+-- Makes the server end the leader's session, and so free its lock, when the leader goes
+-- silent: idle for :idle_ms, or its TCP peer unanswering (keepalives after
+-- :keepalives_idle s, every :keepalives_interval s, :keepalives_count probes; data
+-- unacknowledged for :user_timeout_ms). For the rest of the session.
+SELECT set_config('idle_session_timeout', :idle_ms, false),
+       set_config('tcp_keepalives_idle', :keepalives_idle, false),
+       set_config('tcp_keepalives_interval', :keepalives_interval, false),
+       set_config('tcp_keepalives_count', :keepalives_count, false),
+       set_config('tcp_user_timeout', :user_timeout_ms, false);
+
+
 -- name: sweeper_advisory_lock
 -- Tries the session-level lock that makes one sweeper the leader; true when held.
 SELECT pg_try_advisory_lock(CAST(:lock_id AS bigint));
@@ -79,22 +91,21 @@ LIMIT :batch_size;
 WITH clock AS (
     SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
 ),
--- locked first, in the global order (key, kind, id) that worker settles and heartbeats use
--- too, so a batch and a settle wait for each other but never deadlock: the ids come in that
--- order, and each is probed by its primary key and locked in turn (a lateral per id, so no
--- plan can reach the rows through every expired lease instead). A row its worker settled
--- or extended since the scan no longer matches once its lock is granted (READ COMMITTED
--- re-checks it) and is left alone.
-locked AS MATERIALIZED (
-    SELECT r.*
-    FROM unnest(CAST(:ids AS bigint[])) AS p (id)
+-- the page's rows as this statement's snapshot sees them, each probed by its primary key
+-- (a lateral per id, so no plan can reach the rows through every expired lease instead),
+-- numbered in the order the ids come in: the global lock order (key, kind, id). Nothing is
+-- locked here: the UPDATE below locks each row once, as it writes it.
+seen AS MATERIALIZED (
+    SELECT p.ord, r.*
+    FROM unnest(CAST(:ids AS bigint[])) WITH ORDINALITY AS p (id, ord)
     CROSS JOIN clock
     CROSS JOIN LATERAL (
         SELECT q.id, q.ctid AS row_at, q.kind, q.key, q.tenant, q.attempts, q.max_attempts,
                q.lease_owner, q.lease_expires_at, q.attempts >= q.max_attempts AS spent
         FROM enrichq.queue AS q
         WHERE q.id = p.id AND q.state = 'leased' AND q.lease_expires_at < clock.now
-        FOR UPDATE OF q
+        -- one row per id anyway; keeps the subquery from being pulled up into a join
+        LIMIT 1
     ) AS r
 ),
 -- the keys' queued rows (one per (kind, key) at most): one set of probes of the queued-key
@@ -106,9 +117,9 @@ queued AS (
     WHERE o.state = 'queued'
       AND o.kind = ANY(CAST(:kinds AS text[])) AND o.key = ANY(CAST(:keys AS text[]))
 ),
-decided AS (
+decided AS MATERIALIZED (
     SELECT l.*, CASE WHEN NOT l.spent THEN o.id END AS queued_id
-    FROM locked AS l
+    FROM seen AS l
     LEFT JOIN queued AS o ON o.kind = l.kind AND o.key = l.key
 ),
 -- wake LISTENing workers once per kind that gets work back (delivered at commit)
@@ -116,6 +127,12 @@ notified AS (
     SELECT count(pg_notify(:channel, k.kind)) AS n
     FROM (SELECT DISTINCT kind FROM decided WHERE NOT spent AND queued_id IS NULL) AS k
 ),
+-- the UPDATE locks each row as it reaches it, in the lock order (a nested loop over the
+-- sorted page, each row by its version: a Tid scan), so a batch and a worker's settle
+-- wait for each other but never deadlock, and no row is locked twice (once to lock it,
+-- once to write it). A row its worker settled or extended since the snapshot has a newer
+-- version, which fails the re-check (READ COMMITTED re-checks the WHERE on it) and is
+-- left alone.
 updated AS (
     UPDATE enrichq.queue AS q
     SET state = CASE WHEN d.spent OR d.queued_id IS NOT NULL THEN 'dead_letter'
@@ -129,16 +146,24 @@ updated AS (
         last_error = :lease_expired,
         updated_at = clock.now,
         lease_owner = NULL, lease_expires_at = NULL, heartbeat_at = NULL
-    FROM decided AS d, clock, notified
-    -- the locked row version, found without an index descent (a Tid scan per row)
+    FROM (SELECT * FROM decided ORDER BY ord) AS d, clock, notified
     WHERE q.ctid = d.row_at AND q.id = d.id
+      -- re-checked on a version committed since the snapshot; written as a CASE so that no
+      -- index of leased rows can stand in for the Tid scan (and its order)
+      AND CASE WHEN q.state = 'leased' THEN q.lease_expires_at < clock.now ELSE false END
     RETURNING q.id, q.payload
 )
+-- what the gave-up hook gets only for spent rows (NULL for the rest: less to send and parse)
 SELECT d.id,
        CASE WHEN d.spent THEN 'exhaust' WHEN d.queued_id IS NOT NULL THEN 'supersede'
             ELSE 'promote' END AS action,
-       d.kind, d.key, d.queued_id AS winner, d.tenant, d.attempts, d.max_attempts,
-       d.lease_owner, d.lease_expires_at,
+       d.kind, d.queued_id AS winner,
+       CASE WHEN d.spent THEN d.key END AS key,
+       CASE WHEN d.spent THEN d.tenant END AS tenant,
+       CASE WHEN d.spent THEN d.attempts END AS attempts,
+       CASE WHEN d.spent THEN d.max_attempts END AS max_attempts,
+       CASE WHEN d.spent THEN d.lease_owner END AS lease_owner,
+       CASE WHEN d.spent THEN d.lease_expires_at END AS lease_expires_at,
        CASE WHEN d.spent THEN u.payload END AS payload
 FROM decided AS d
 JOIN updated AS u ON u.id = d.id

@@ -3,9 +3,11 @@
 Every claimed row was written to four indexes (the primary key and three over leased rows).
 No statement reads leases by owner alone: the heartbeat and the settles look their rows up
 by id, the sweeper by expiry, the claim's live-lease probe by key. Dropping the owner index
-removes one index write per claimed row. Migrations run in one transaction (env.py), so
-this is a plain DROP INDEX: a short exclusive lock on the queue table that waits for the
-running claims and settles, then takes milliseconds.
+removes one index write per claimed row. This is a plain DROP INDEX: an ACCESS EXCLUSIVE
+lock on the queue table. Once it has the lock it takes milliseconds, but while it waits for
+the lock (behind any open reader of the queue: a pg_dump, an idle psql) every claim,
+heartbeat and settle queues behind it; `enrichq migrate` bounds that wait with a short
+lock_timeout and tries again (enrichq_schema.db.migrate).
 
 Revision ID: 0002
 Revises: 0001
@@ -28,7 +30,7 @@ INDEX = "queue_leased_owner_idx"
 
 
 def upgrade() -> None:
-    """Drop the index (a short exclusive lock: it waits for running claims, then is quick)."""
+    """Drop the index (ACCESS EXCLUSIVE on the queue: every claim waits while it waits)."""
     op.drop_index(INDEX, table_name="queue", schema="enrichq")
 
 

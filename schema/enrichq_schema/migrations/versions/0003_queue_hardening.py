@@ -14,6 +14,12 @@
 - Retention reads the oldest rows of `lookup_log`, `runs` and `tenant_served` by index.
 - `queue_counts`: the terminal counts the sweeper writes once a pass and /metrics reads.
 
+Downgrade loses: every claim token, live leases' included. Upgraded again, a lease taken
+before the downgrade has no token, so its worker's settle and heartbeat are refused by the
+fence: the job is lost, its attempt spent, and the sweeper puts the row back once the
+lease expires. The terminal counts are dropped (the next sweeper pass writes them again).
+The second leases dead-lettered by the upgrade stay dead letters.
+
 Revision ID: 0003
 Revises: 0002
 Create Date: 2026-12-01 22:00:00
@@ -55,8 +61,10 @@ WHERE q.id = r.id AND r.id <> r.kept
 
 
 def upgrade() -> None:
-    """Add the token and the counts table; swap the indexes (short locks: open rows only,
-    except the two finished-row indexes, which are built over the retained history)."""
+    """Add the token and the counts table; swap the indexes. ACCESS EXCLUSIVE on the queue
+    (the column, the dropped indexes) and SHARE while the indexes build (open rows only,
+    except the two finished-row indexes, built over the retained history): writers queue
+    behind it while it waits and while it builds."""
     op.add_column("queue", sa.Column("claim_token", pg.UUID(as_uuid=True)), schema=SCHEMA)
     op.execute(RESOLVE_DOUBLE_LEASES)
     op.drop_index("queue_leased_key_idx", table_name="queue", schema=SCHEMA)

@@ -2,9 +2,9 @@
 
 - `enrichq cancel` moves queued and leased rows to dead_letter with dead_reason
   `cancelled`, so the queue's CHECK on dead reasons allows it. Replacing the check makes
-  Postgres read the queue table once (history included) under the migration's exclusive
-  lock, so claims and settles wait for that scan (the whole upgrade took 0.5 s on a
-  table of a million rows here).
+  Postgres read the queue table once (history included) under the migration's ACCESS
+  EXCLUSIVE lock, so claims and settles wait for that scan (the whole upgrade took 0.5 s
+  on a table of a million rows here), and for as long as the lock itself is waited for.
   A NOT VALID check would skip the scan, but `alembic check` (tests/migrations) then
   fails: SQLAlchemy 2.1 reflects such a constraint with a dialect option that Alembic
   1.20 cannot rebuild.
@@ -14,6 +14,11 @@
   resume), listed by `enrichq audit`.
 - `enrichq.seen_events`: webhook event ids seen within ENRICHQ_EVENT_DEDUPE_HOURS, so a
   redelivered event enqueues nothing; pruned by the sweeper's retention pass.
+
+Downgrade loses: the whole audit log (export it first: `enrichq audit --json`), the
+webhook event ids seen (a redelivery within ENRICHQ_EVENT_DEDUPE_HOURS is enqueued again:
+it merges with a queued row, or enriches the ticket once more), and every cancelled dead
+letter (deleted: the older schema has no `cancelled`).
 
 Revision ID: 0004
 Revises: 0003

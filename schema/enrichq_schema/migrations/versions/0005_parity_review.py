@@ -8,7 +8,12 @@ parity_approvals holds reviewers' signatures. cutover_events names the tenant a 
 read enrichq's rows while a cutover is staged.
 
 Every change adds a column with a constant default, a table or a constraint that old rows
-meet, so the locks are short and no table is rewritten.
+meet, so no table is rewritten; the ACCESS EXCLUSIVE locks are held briefly once granted,
+but writers queue behind each one while it waits for a reader to finish.
+
+Downgrade loses: every reviewer's approval, the fault figures and accept rules of every
+parity run, and which tenant each cutover step moved (refused while a cutover is staged
+per tenant: `enrichq cutover --rollback` first).
 
 Revision ID: 0005
 Revises: 0004

@@ -6,6 +6,10 @@
 - `lookups_in_flight`: the slots of ENRICHQ_WAREHOUSE_MAX_CONCURRENCY and the bytes
   reserved against ENRICHQ_DAILY_BYTES_BUDGET by lookups running now.
 
+Downgrade loses: the lookups' claim tokens (a settle retried after the downgrade may log
+and charge a lookup twice) and the admission slots of lookups running at that moment
+(their bytes reserved are forgotten: the day's budget may be overspent by them).
+
 Revision ID: 0006
 Revises: 0005
 Create Date: 2026-12-02 01:00:00

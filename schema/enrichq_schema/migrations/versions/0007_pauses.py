@@ -3,6 +3,8 @@
 - `pauses`: one row per scope (a kind, a tenant, both or neither; NULL matches all),
   written by `enrichq pause`, deleted by `enrichq resume`, read by every claim.
 
+Downgrade: refused while any pause is in force (see `downgrade`), so no pause is lost.
+
 Revision ID: 0007
 Revises: 0006
 Create Date: 2026-12-02 04:30:00
@@ -50,5 +52,13 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    """Back to 0006."""
+    """Back to 0006; refused while a pause is in force (the older schema would drop it
+    and every claim would go through again, unannounced)."""
+    paused = op.get_bind().execute(sa.text("SELECT count(*) FROM enrichq.pauses")).scalar_one()
+    if paused:
+        raise RuntimeError(
+            f"{paused} pause(s) in force (`enrichq status` lists them): the schema below 0007 "
+            "cannot keep them; run `enrichq resume` for each (or wait) before downgrading "
+            "below 0007"
+        )
     op.drop_table("pauses", schema=SCHEMA)

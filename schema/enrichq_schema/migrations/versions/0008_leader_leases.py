@@ -4,6 +4,9 @@
   `expires_at`. Used instead of the session advisory lock when ENRICHQ_POOL_MODE is
   `transaction`, where a session does not stay ours between transactions.
 
+Downgrade loses: the lease row of a transaction-mode leader (it takes the leadership again
+at its next check, once the table is back).
+
 Revision ID: 0008
 Revises: 0007
 Create Date: 2026-12-10 09:00:00

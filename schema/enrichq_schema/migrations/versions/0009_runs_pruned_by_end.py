@@ -4,8 +4,9 @@ A run that lasted longer than the retention (a worker up for 40 days, retention 
 deleted by the first retention pass after it ended, together with the stop reason and error
 an operator comes to read. Retention now deletes runs that *finished* before the cutoff, so
 the old partial index on `started_at` (finished runs only) gives way to one on
-`finished_at`. The run log is small (it is pruned), so building the index inside the
-migration's transaction holds run-log writes back for milliseconds.
+`finished_at`. The run log is small (it is pruned), so building the index takes
+milliseconds; dropping the old one takes ACCESS EXCLUSIVE on enrichq.runs, which waits
+behind any open reader of the run log, and every run-log write waits behind it meanwhile.
 
 Revision ID: 0009
 Revises: 0008
