@@ -138,6 +138,8 @@ def test_the_queue_takes_the_largest_delays_lease_aging_and_backoff(
 
 
 def test_admission_takes_the_largest_budget_cap_and_lease(db_engine: sa.Engine) -> None:
+    from enrichq_service.worker.admission import ADMISSION_LOCK_SPACE
+
     """The budget and cap are bound parameters of the admission, the lease an interval."""
     settings = at_their_largest()
     token = uuid.uuid4()
@@ -152,12 +154,18 @@ def test_admission_takes_the_largest_budget_cap_and_lease(db_engine: sa.Engine) 
                 "token": str(token),
                 "owner": OWNER,
                 "lease_seconds": settings.lease_seconds,
+                "lock_space": ADMISSION_LOCK_SPACE,
             },
         ).one()
         assert row.refused is None
         conn.execute(
             ENRICH_SQL("admission_extend"),
-            {"owner": OWNER, "lease_seconds": settings.lease_seconds, "now": None},
+            {
+                "owner": OWNER,
+                "tokens": [str(token)],
+                "lease_seconds": settings.lease_seconds,
+                "now": None,
+            },
         )
 
 

@@ -18,7 +18,7 @@ Downgrade: `seen_at` is dropped, and runs closed as `lost` become `error` with t
 error text kept (the previous schema has no `lost`).
 
 Revision ID: 0011
-Revises: 0009
+Revises: 0010
 Create Date: 2026-12-04 17:00:00
 """
 
@@ -30,7 +30,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0011"
-down_revision: str | None = "0009"
+down_revision: str | None = "0010"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -7,7 +7,7 @@ selection is read in. Adding a nullable column rewrites nothing; the index cover
 letters only, so building it holds queue writes back for the time it takes to read them.
 
 Revision ID: 0012
-Revises: 0010
+Revises: 0011
 Create Date: 2026-12-04 16:40:00
 """
 
@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0012"
-down_revision: str | None = "0010"
+down_revision: str | None = "0011"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
