@@ -206,6 +206,7 @@ def test_the_processes_take_the_largest_waits_and_schedules() -> None:
         fire = IntervalTrigger(seconds=seconds, timezone=UTC).get_next_fire_time(None, now)
         assert fire is not None
     assert now - timedelta(hours=settings.parity_max_age_hours) < now
+    assert now - timedelta(days=settings.parity_window_days) < now
     assert (
         now - timedelta(seconds=settings.delay_created_seconds + settings.parity_grace_seconds)
         < now
@@ -223,7 +224,7 @@ def test_every_number_is_covered_here() -> None:
         "dead_letter_retention_days", "event_dedupe_hours", "poll_seconds",
         "heartbeat_seconds", "shutdown_grace_seconds", "sweep_interval_seconds",
         "refresh_interval_seconds", "parity_interval_hours", "parity_max_age_hours",
-        "parity_grace_seconds",
+        "parity_grace_seconds", "parity_window_days",
     }  # fmt: skip
     # compared in Python only, or checked by their own tests: ports (the OS's range),
     # fractions (0 to 1), the network timeout (tests/db/test_network_timeouts.py), the
