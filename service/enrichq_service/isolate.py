@@ -75,6 +75,7 @@ from enrichq_service.errors import Deferral, PermanentError, TransientError
 log = logging.getLogger(__name__)
 
 CHILD_DIED = "isolated enrichment process died"
+CHILD_RAN_PAST = "isolated enrichment ran past"
 CANCELLED = "isolated enrichment stopped: its attempt was abandoned or its lease lost"
 # the least time a child is given, even past the deadline: enough to start and answer
 MIN_CHILD_SECONDS = 1.0
@@ -92,7 +93,10 @@ def is_suspect(attempts: int, last_error: str | None) -> bool:
     """Did this job's previous attempt end with its process vanishing?"""
     error = last_error or ""
     vanished = error == LEASE_EXPIRED_ERROR or CHILD_DIED in error
-    return attempts > 1 and (vanished or ABORTED in error)
+    # a child that ran out of the attempt's time may have been halving around a poison pill
+    # that was never isolated: its tickets stay suspects, or the next attempt would run
+    # them in-process beside it
+    return attempts > 1 and (vanished or ABORTED in error or CHILD_RAN_PAST in error)
 
 
 def enrich_in_child(context: EnrichContext, tickets: Sequence[Ticket]) -> Outcomes:
@@ -175,7 +179,7 @@ def _run_child(context: EnrichContext, tickets: Sequence[Ticket]) -> Outcomes:
         proc.kill()
         proc.communicate()
         _end_sessions(context.warehouse, name)
-        return _each(tickets, TransientError(f"isolated enrichment ran past {timeout:g} s"))
+        return _each(tickets, TransientError(f"{CHILD_RAN_PAST} {timeout:g} s"))
     if stopped.is_set():
         _end_sessions(context.warehouse, name)
         return _each(tickets, TransientError(CANCELLED))

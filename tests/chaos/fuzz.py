@@ -90,39 +90,7 @@ OUTAGES = frozenset({"db_restart", "blackhole", "sigstop"})
 
 # Behaviours and faults that break an invariant on the current code, each being fixed
 # elsewhere: the CI test leaves them out until the fix is merged (then delete the line).
-KNOWN_DEFECTS: frozenset[str] = frozenset(
-    {
-        # a surrogate in a result's text reaches the settler, which dies (exit 1)
-        "surrogate_order_id",
-        "surrogate_customer_id",
-        "surrogate_job_id",
-        "surrogate_error_always",
-        # a BaseException from the plug-in stops the worker (exit 1)
-        "base_once",
-        "base_always",
-        # an admission (budget or cap on) whose connection fails (the database restarts,
-        # a frozen worker's session was ended) stops its worker (exit 1): with this
-        # excluded, a draw with such a fault (OUTAGES) runs with neither budget nor cap
-        "admission_outage",
-        # a batch neighbour of a ticket that exits the process every time can be
-        # dead-lettered with it: an isolated half that runs out of the attempt's time is
-        # retried as no suspect, in-process, beside the poison again. With this excluded,
-        # no batch of 50 holds such a ticket
-        "poison_in_batch",
-        # a job that waits for admission (a warehouse slot, the budget's one lookup of
-        # unknown cost) past its attempt's deadline is retried, its attempt spent, instead
-        # of deferred: behind slow lookups it ends dead-lettered (attempts_exhausted).
-        # With this excluded, a draw with a budget or a cap has deadlines of 10 s
-        "admission_wait",
-        # a deaf plug-in's warehouse query that outlives its attempt no longer holds its
-        # slot under the cap: more queries run at once than the cap. With this excluded,
-        # a draw with a cap has no deaf hangs
-        "deaf_hang_cap",
-        # a deaf plug-in's result, returned after its attempt's deadline, can still
-        # complete the job when the claim loop is late to abandon it (done, not retried)
-        "hang_always",
-    }
-)
+KNOWN_DEFECTS: frozenset[str] = frozenset()
 
 SETTLE_TIMEOUT_SECONDS = 150.0
 STOP_TIMEOUT_SECONDS = 30.0
