@@ -115,6 +115,15 @@ def run_pass(
         )
     if stop_reason is not StopReason.ERROR:
         metrics.sweeper_last_pass_timestamp_seconds.labels(task.value).set_to_current_time()
+        # a pass that changed something says so at INFO; an idle one only at DEBUG
+        did = {k: v for k, v in counts.items() if isinstance(v, int) and not isinstance(v, bool)}
+        log.log(
+            logging.INFO if any(did.values()) else logging.DEBUG,
+            "sweeper %s pass: %s (%.2f s)",
+            task.value,
+            ", ".join(f"{k} {v:,}" for k, v in did.items()) or "nothing to do",
+            counts.get("duration_seconds", 0.0),
+        )
     return PassReport(task, stop_reason, counts, error)
 
 

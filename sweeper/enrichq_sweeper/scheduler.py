@@ -20,7 +20,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from enrichq_schema import metrics
-from enrichq_schema.db import await_schema
+from enrichq_schema.db import await_schema, redact
 from enrichq_schema.metrics import metrics_port_problem
 from enrichq_schema.process import Exit, process_id, say, stop_on_signals
 from enrichq_schema.settings import Settings
@@ -236,8 +236,15 @@ class _Sweeper:
             return self.stop.is_set() or lost.is_set()
 
         failed = []
+        schedule = self.tasks(should_stop).schedule()
+        log.info(
+            "sweep --once as %s: %s, on %s",
+            self.owner,
+            ", ".join(name for name, _, _ in schedule),
+            redact(self.url),
+        )
         try:
-            for name, job, _ in self.tasks(should_stop).schedule():
+            for name, job, _ in schedule:
                 if should_stop():
                     break
                 if not job():
@@ -253,6 +260,7 @@ class _Sweeper:
         if failed:
             say(f"sweep --once: {', '.join(failed)} failed (see the log)")
             return Exit.FAILED
+        log.info("sweep --once done: every task ran")
         return Exit.OK
 
     def lead_or_follow(self) -> int:
