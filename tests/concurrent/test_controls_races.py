@@ -263,6 +263,43 @@ def test_an_event_merged_after_a_cancel_selected_its_row_is_not_cancelled(
     assert open_rows(db_engine, "M-1") == [(first.id, "queued", None)]
 
 
+def test_an_event_whose_transaction_began_before_the_cancel_but_merged_after_survives(
+    db_engine: sa.Engine,
+) -> None:
+    """The ingest transaction begins (deduping the event, say) before the operator's cancel,
+    and merges into the queued row only after the cancel selected it. The merge is new work:
+    kept. Before, merged_at was the ingest transaction's start, earlier than the cancel's,
+    and the row was cancelled."""
+    settings = make_settings(str(db_engine.url))
+    first = enqueue_one(db_engine, "M-4")
+    event = db_engine.connect()
+    event_tx = event.begin()
+    event.execute(sa.text("SELECT 1"))  # the ingest transaction's clock starts here
+    wait_for(
+        lambda: event.execute(sa.text("SELECT clock_timestamp() > now()")).scalar(),
+        what="the ingest transaction to be older than the cancel",
+    )
+
+    def event_merges(would: controls.ActionResult) -> bool:
+        [merged] = queue.enqueue(event, [EnqueueRequest.build(key="M-4")], settings=settings)
+        assert (merged.id, merged.inserted) == (first.id, False)
+        event_tx.commit()
+        return True
+
+    try:
+        result = controls.run(
+            db_engine,
+            AuditCommand.CANCEL,
+            Filter.build(Scope.OPEN, keys=["M-4"]),
+            actor="ops",
+            confirm=event_merges,
+        )
+    finally:
+        event.close()
+    assert result.counts == {"queued": 0, "leased": 0, "kept": 1}
+    assert open_rows(db_engine, "M-4") == [(first.id, "queued", None)]
+
+
 def test_an_event_merging_while_a_cancel_batch_runs_survives_whoever_locks_first(
     db_engine: sa.Engine,
 ) -> None:

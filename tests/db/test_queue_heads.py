@@ -110,3 +110,60 @@ def test_a_row_enqueued_while_a_claim_holds_the_head_is_claimed_next(
     assert errors == []
     with look.begin() as conn:
         assert claim(conn, "w2") == ["T-2"]
+
+
+def _enqueue(conn: sa.Connection, key: str, kind: str, tenant: str) -> None:
+    cfg = make_settings(str(conn.engine.url))
+    queue.enqueue(
+        conn,
+        [EnqueueRequest.build(key=key, kind=kind, tenant=tenant, delay_seconds=0)],
+        settings=cfg,
+    )
+
+
+def test_a_fresh_backfill_head_never_ranks_above_visible_work(
+    engines: tuple[sa.Engine, sa.Engine, sa.Engine],
+) -> None:
+    """A new head sits at the top of the claim order until a claim evaluates it; a backfill
+    head must not, or a claim that skips it (another claim holds it) takes backfill work
+    while enrich work is visible. Before, B took t-bf."""
+    a, b, look = engines
+    with look.begin() as conn:
+        _enqueue(conn, "t-bf", "backfill", "t2")  # older than the enrich rows
+    with look.begin() as conn:
+        _enqueue(conn, "t-e1", "enrich", "t1")
+        _enqueue(conn, "t-e2", "enrich", "t3")
+    with a.connect() as ca, ca.begin():
+        took_a = [j.key for j in queue.claim(ca, owner="A", limit=1, lease_seconds=LEASE)]
+        with b.begin() as cb:
+            took_b = [j.key for j in queue.claim(cb, owner="B", limit=1, lease_seconds=LEASE)]
+    assert took_a == ["t-e1"]
+    assert took_b == ["t-e2"]
+
+
+def test_backfill_over_more_tenants_than_a_claim_evaluates_stays_last(
+    engines: tuple[sa.Engine, sa.Engine, sa.Engine],
+) -> None:
+    """A backfill of 600 tenants (more heads than a claim evaluates at once): one claim
+    still takes the visible enrich rows first. Before, it took three backfill rows."""
+    _, _, look = engines
+    with look.begin() as conn:
+        _enqueue(conn, "e-1", "enrich", "t-enrich")
+        _enqueue(conn, "e-2", "enrich", "t-enrich")
+    with look.begin() as conn:
+        queue.claim(conn, owner="warm", limit=0, lease_seconds=LEASE)
+    with look.begin() as conn:
+        cfg = make_settings(str(conn.engine.url))
+        queue.enqueue(
+            conn,
+            [
+                EnqueueRequest.build(
+                    key=f"b-{i}", kind="backfill", tenant=f"bt{i:04d}", delay_seconds=0
+                )
+                for i in range(600)
+            ],
+            settings=cfg,
+        )
+    with look.begin() as conn:
+        jobs = queue.claim(conn, owner="A", limit=3, lease_seconds=LEASE)
+    assert [j.kind for j in jobs][:2] == ["enrich", "enrich"]

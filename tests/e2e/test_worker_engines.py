@@ -66,7 +66,7 @@ def test_claims_run_prepared_on_their_generic_plan(engines: WorkerEngines) -> No
             conn.execute(sa.text("SELECT count(*) FROM enrichq.queue WHERE key = :k"), {"k": "x"})
         statements = prepared_statements(conn)
         conn.rollback()
-    assert statements == {"WITH RECURSIVE walk(kind,": (3, 0)}
+    assert statements == {"WITH RECURSIVE clock": (3, 0)}
 
 
 def test_a_kept_connection_is_replaced_after_its_backend_dies(engines: WorkerEngines) -> None:

@@ -50,7 +50,9 @@ inserted AS (
     LEFT JOIN enrichq.tenants AS t ON t.tenant = i.tenant
     ORDER BY i.key COLLATE "C", i.kind COLLATE "C", i.ord
     ON CONFLICT (kind, key) WHERE state = 'queued'
-    DO UPDATE SET merged_at = coalesce(CAST(:now AS timestamptz), now()),
+    -- the merge's own time (clock_timestamp), not its transaction's start: an ingest
+    -- transaction that began before a cancel and merges after it selected is new work
+    DO UPDATE SET merged_at = coalesce(CAST(:now AS timestamptz), clock_timestamp()),
                   -- a manual enqueue is visible now (DESIGN §3): it brings a delayed row
                   -- forward; an event keeps the row's own delay (a created ticket's waits
                   -- out the warehouse's replication lag)

@@ -59,9 +59,13 @@ BEGIN
         -- else a new head, or one that moves earlier: due at once, and in the claim order
         -- meanwhile (at the top, until the next claim evaluates it: a claim that runs while
         -- another one evaluates it still sees the pair)
+        -- (backfill work below every plan: evaluated or not, it never ranks above them)
         IF NOT FOUND THEN
             INSERT INTO enrichq.queue_heads AS h (kind, tenant, oldest, behind, due_at)
-            VALUES (pair.kind, pair.tenant, pair.oldest, 0, '-infinity')
+            VALUES (
+                pair.kind, pair.tenant, pair.oldest,
+                CASE WHEN pair.kind = 'backfill' THEN 32767 ELSE 0 END, '-infinity'
+            )
             ON CONFLICT (kind, tenant) DO UPDATE
             SET oldest = least(h.oldest, excluded.oldest),
                 behind = coalesce(h.behind, excluded.behind),
