@@ -270,8 +270,12 @@ def build(runtime: Runtime) -> str:
     with _locked("image"):
         if runtime.has_image(tag):
             return tag
+        # podman: no intermediate layers (vfs copies the whole tree for each); this cache
+        # keeps the finished image by its inputs' digest instead.
+        layers = ("--layers=false",) if runtime.name == "podman" else ()
         built = runtime(
             "build",
+            *layers,
             "--network=host",
             "--build-arg",
             f"PYTHON_IMAGE={base}",
