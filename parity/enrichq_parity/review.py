@@ -311,11 +311,12 @@ def approve_cli(settings: Settings, url: str, *, run_id: int, by: str, note: str
     for line in done.failing:
         print(f"note: {line}")
     if done.changed:
-        print(f"approved parity run #{run_id} by {a.approved_by} at {utc_time(a.approved_at)} UTC")
+        when = utc_time(a.approved_at, seconds=True)
+        print(f"approved parity run #{run_id} by {a.approved_by} at {when} UTC")
     else:
         print(
             f"parity run #{run_id} was already approved by {a.approved_by} at "
-            f"{utc_time(a.approved_at)} UTC; nothing changed"
+            f"{utc_time(a.approved_at, seconds=True)} UTC; nothing changed"
         )
     for line in done.notes:
         print(f"note: {line}")
@@ -373,7 +374,7 @@ def show_cli(
     print_summary(console, report)
     for a in approvals:
         console.print(
-            f"approved by {a.approved_by} at {utc_time(a.approved_at)} UTC"
+            f"approved by {a.approved_by} at {utc_time(a.approved_at, seconds=True)} UTC"
             + (f": {a.note}" if a.note else ""),
             highlight=False,
             markup=False,
@@ -415,7 +416,7 @@ def _print_runs(rows: Sequence[RunRow]) -> None:
             rules += f" ({r.unused_rules} matched nothing)"
         table.add_row(
             f"#{r.id}",
-            utc_time(r.finished_at),
+            utc_time(r.finished_at, seconds=True),
             f"{r.window_since:%m-%d} → {r.window_until:%m-%d}",
             _STATE_WORDS.get(r.state, r.state),
             pct(r.order_coverage),

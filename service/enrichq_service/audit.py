@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
-from datetime import UTC
 from typing import Any
 
 from enrichq_schema.audit import AuditEntry, AuditInputError, recent
 from enrichq_schema.process import Exit, say
 from enrichq_schema.settings import Settings
-from enrichq_schema.text import print_json_lines
-
-TIME_FORMAT = "%Y-%m-%d %H:%M:%SZ"
+from enrichq_schema.text import print_json_lines, utc_time
 
 
 def list_cli(
@@ -67,13 +64,13 @@ def print_table(entries: Sequence[AuditEntry]) -> None:
     table = newest_first("operator actions", len(entries), none="no operator actions recorded")
     if table is None:
         return
-    for column in ("id", "at", "command", "actor", "rows", "filter", "finished", "note"):
+    for column in ("id", "at (UTC)", "command", "actor", "rows", "filter", "finished", "note"):
         table.add_column(column, justify="right" if column in {"id", "rows"} else "left")
     for e in entries:
         finished = "no (interrupted or running)" if e.finished_at is None else "yes"
         table.add_row(
             str(e.id),
-            e.at.astimezone(UTC).strftime(TIME_FORMAT),
+            utc_time(e.at, seconds=True),
             e.command,
             shown(e.actor),
             str(e.rows_affected),

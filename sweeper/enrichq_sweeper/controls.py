@@ -32,7 +32,7 @@ import json
 from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -43,6 +43,7 @@ from enrichq_schema.process import Exit, fail
 from enrichq_schema.queries import Queries, load
 from enrichq_schema.settings import Settings
 from enrichq_schema.states import NOTIFY_CHANNEL, AuditCommand
+from enrichq_schema.text import utc_time
 from enrichq_sweeper.common import (
     DEFAULT_BATCH_SIZE,
     STATEMENT_TIMEOUT_SECONDS_DEFAULT,
@@ -53,7 +54,6 @@ from enrichq_sweeper.errors import FilterError, SweeperError
 from enrichq_sweeper.filters import Filter, Scope
 
 SAMPLE_SIZE = 10
-TIME_FORMAT = "%Y-%m-%d %H:%M:%SZ"
 MISSING_IDS_SHOWN = 20
 # Rows per page of a selection: each page is one statement reading about this many rows.
 SELECT_PAGE_SIZE = 10_000
@@ -591,7 +591,7 @@ def _print_sample(result: ActionResult) -> None:
     table = Table(title=f"first {len(result.sample)} of {result.matched} (in the order worked)")
     open_scope = result.filter.scope is Scope.OPEN
     columns = ["id", "kind", "key", "tenant", "state" if open_scope else "dead reason"]
-    columns += ["reason", "attempts", "created" if open_scope else "dead since"]
+    columns += ["reason", "attempts", "created (UTC)" if open_scope else "dead since (UTC)"]
     for column in columns:
         # keys and tenants wrap instead of being cut: an operator must see all of them
         table.add_column(
@@ -609,6 +609,6 @@ def _print_sample(result: ActionResult) -> None:
             r.state if open_scope else (r.dead_reason or ""),
             r.reason,
             f"{r.attempts}/{r.max_attempts}",
-            when.astimezone(UTC).strftime(TIME_FORMAT),
+            utc_time(when, seconds=True),
         )
     Console().print(table)

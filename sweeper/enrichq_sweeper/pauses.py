@@ -26,7 +26,7 @@ from enrichq_schema.errors import EnrichqError
 from enrichq_schema.process import Exit, say
 from enrichq_schema.settings import Settings
 from enrichq_schema.states import NOTIFY_CHANNEL, AuditCommand, Kind
-from enrichq_schema.text import checked_text, printable, text_problem
+from enrichq_schema.text import checked_text, printable, text_problem, utc_time
 from enrichq_sweeper import common
 from enrichq_sweeper.controls import sql
 
@@ -218,7 +218,7 @@ def pause_cli(
             + ("" if known else " (none seen so far)")
         )
     else:
-        since = done.paused_at.strftime("%Y-%m-%d %H:%M:%SZ")
+        since = f"{utc_time(done.paused_at, seconds=True)} UTC"
         print(f"{done.scope.describe()} was already paused (since {since} by {done.paused_by})")
     return Exit.OK
 
