@@ -14,6 +14,7 @@ from tests.support.pg import Databases
 from tests.support.settings import make_settings
 
 from enrichq_schema.db import create_engine
+from enrichq_schema.errors import SettingsError
 from enrichq_schema.tables import lookup_log, queue, runs, tenant_served, ticket_enrichments
 from enrichq_sweeper import passes, refresh, retention
 from enrichq_sweeper.leader import SWEEPER_LOCK_ID
@@ -496,9 +497,10 @@ def unmigrated_url(databases: Databases) -> Iterator[str]:
     databases.drop(url)
 
 
-def test_sweep_refuses_an_unmigrated_database(
-    unmigrated_url: str, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_sweep_told_not_to_wait_refuses_an_unmigrated_database(unmigrated_url: str) -> None:
+    """Told not to wait for `enrichq migrate` (`sweep --no-wait`), the sweeper refuses: a
+    SettingsError, which the command line says in one line with exit 2. (Waiting is
+    tests/e2e/test_before_migrate.py's.)"""
     settings = make_settings(unmigrated_url, metrics_port=0)
-    assert run_sweeper(settings, unmigrated_url, once=True) == 1
-    assert "run `enrichq migrate`" in capsys.readouterr().err
+    with pytest.raises(SettingsError, match=r"revision none, not \d+ \(run `enrichq migrate`\)"):
+        run_sweeper(settings, unmigrated_url, once=True, wait_for_schema=False)
