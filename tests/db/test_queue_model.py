@@ -186,11 +186,21 @@ class QueueMachine(RuleBasedStateMachine):
                 conn, batch, settings=self.cfg[max_attempts], now=self.model.now
             )
         assert [(r.kind, r.key) for r in results] == [(k, key) for k, key, _ in requests]
+        touched: set[tuple[str, str]] = set()
         for (kind, key, delay), result in zip(requests, results, strict=True):
             existing = self.model.queued(kind, key)
             if existing is not None:
                 assert (result.inserted, result.id) == (False, existing.id), "must merge"
+                # a manual enqueue (these are) is visible when it says: merged into a later
+                # row, it brings the row forward; a later input of the same ticket in one
+                # statement merges into what the first did (queue_enqueue's `firsts`)
+                if (kind, key) not in touched:
+                    existing.visible_at = min(
+                        existing.visible_at, self.model.now + timedelta(seconds=delay)
+                    )
+                touched.add((kind, key))
                 continue
+            touched.add((kind, key))
             assert result.inserted, f"{kind}/{key} has no queued row: must insert"
             assert result.id is not None
             assert result.id not in self.model.rows

@@ -11,7 +11,7 @@ from tests.support.settings import make_settings
 
 from enrichq_service import queue
 from enrichq_service.queue import EnqueueRequest
-from enrichq_service.status import collect
+from enrichq_service.status import _upcoming, collect
 
 
 def test_status_counts_by_kind_and_state(db_url: str, db_engine: sa.Engine) -> None:
@@ -79,15 +79,17 @@ def test_a_queue_of_delayed_rows_says_when_the_next_becomes_visible(
     waiting = report.next_visible["enrich"]
     assert waiting["waiting"] == 4
     assert 100 < waiting["in_seconds"] <= 120
-    table = subprocess.run(
-        [sys.executable, "-m", "enrichq_service", "status"],
+    shown = subprocess.run(
+        [sys.executable, "-m", "enrichq_service", "status", "--json"],
         capture_output=True,
         text=True,
-        env={"ENRICHQ_DATABASE_URL": db_url, "PATH": "/usr/bin:/bin", "COLUMNS": "200"},
+        env={"ENRICHQ_DATABASE_URL": db_url, "PATH": "/usr/bin:/bin"},
         timeout=60,
         check=True,
     )
-    assert "4, the first in 1 min" in table.stdout
+    assert json.loads(shown.stdout)["next_visible"]["enrich"]["waiting"] == 4
+    assert _upcoming({"waiting": 4, "in_seconds": 110.4}) == "4, the first in 1 min 50 s"
+    assert _upcoming(None) == "-"
 
 
 def test_a_manual_enqueue_brings_a_delayed_ticket_forward(

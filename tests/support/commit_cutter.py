@@ -72,6 +72,11 @@ class CommitCutter:
             return True
 
     def _pump(self, client: socket.socket, server: socket.socket) -> None:
+        # a side that goes away (the server restarted, the client killed) ends the pair
+        with contextlib.suppress(OSError):
+            self._pump_pair(client, server)
+
+    def _pump_pair(self, client: socket.socket, server: socket.socket) -> None:
         armed = False
         with contextlib.closing(client), contextlib.closing(server):
             while not self._closed.is_set():

@@ -36,7 +36,8 @@ RUNBOOK_BASE_FILE = PROMETHEUS_DIR / "runbook-base.txt"
 SET_RUNBOOK_BASE = PROMETHEUS_DIR / "set_runbook_base.py"
 AUTOSCALING = K8S / "autoscaling"
 # What POST /events counts that is not a refusal (one per event, not per request).
-EVENTS_TAKEN = {"accepted", "duplicate"}
+# answered 2xx: taken, a redelivery, or a Zendesk event of a kind enrichq does not use
+EVENTS_TAKEN = {"accepted", "duplicate", "ignored"}
 
 # What each metric type exposes beside its family name (prometheus-client's text format).
 SAMPLE_SUFFIXES = {
