@@ -47,6 +47,15 @@ def counter(port: int, name: str, **labels: str) -> float:
     return 0.0
 
 
+def answers(port: int) -> bool:
+    """Whether a process serves its /metrics yet."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2):
+            return True
+    except OSError:
+        return False
+
+
 def calls(folder: Path, *, killed_at: int | None = None) -> list[tuple[int, int, int]]:
     """Every probe call as (pid, start, end); a call whose process was killed ends then."""
     out = []
@@ -72,8 +81,10 @@ def test_three_workers_never_run_more_warehouse_calls_than_the_cap(
     db_url: str, db_engine: sa.Engine, tmp_path: Path
 ) -> None:
     """Cap 2; three processes of two slots each, batches of 3 tickets, calls of 2.5 s:
-    four of the six first batches find no slot within the 2 s wait and are deferred."""
-    seeded(db_engine, 18)
+    four of the six first batches find no slot within the 2 s wait and are deferred.
+    The tickets are enqueued only once every process answers on its metrics port: on a
+    loaded machine the first process up would otherwise take every batch alone."""
+    keys = seeded(db_engine, 18, enqueued=False)
     started = tmp_path / "calls"
     started.mkdir()
     ports = [free_port() for _ in range(3)]
@@ -98,6 +109,8 @@ def test_three_workers_never_run_more_warehouse_calls_than_the_cap(
         for i, port in enumerate(ports)
     ]
     try:
+        wait_for(lambda: all(answers(p) for p in ports), timeout=60, what="three workers up")
+        enqueue(db_engine, keys)
         wait_for(
             lambda: (
                 q(db_engine, "SELECT count(*) FROM enrichq.queue WHERE state = 'done'") == [(18,)]
