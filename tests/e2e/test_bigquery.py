@@ -1,0 +1,189 @@
+"""The built-in lookup on BigQuery, through BigQuery's own client (sqlalchemy-bigquery,
+google-cloud-bigquery), against the bqemulator on loopback behind a thin fault layer
+(tests/support/bigquery.py): what it bills, how it is bounded, cancelled and charged, how
+BigQuery's errors are mapped, and that the worker starts only with usable credentials and
+tables (issue 30)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from tests.support.bigquery import (
+    MIN_BYTES_BILLED,
+    PROJECT,
+    Emulator,
+    Fault,
+    FaultLayer,
+    TokenServer,
+    credentials_file,
+)
+from tests.support.db import q
+from tests.support.procs import enrichq_env
+from tests.support.settings import make_settings
+from tests.support.world import add_tickets, enqueue, ticket_ids
+
+from enrichq_schema.db import create_warehouse_engine
+from enrichq_schema.settings import Settings
+from enrichq_service import seed
+from enrichq_service.worker import Worker
+
+URL = f"bigquery://{PROJECT}"
+_datasets = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
+    with Emulator(tmp_path_factory.mktemp("bqemulator")) as emu:
+        yield emu
+
+
+@pytest.fixture(scope="session")
+def credentials(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    with TokenServer() as tokens:
+        yield credentials_file(tmp_path_factory.mktemp("gcp") / "key.json", tokens.url)
+
+
+@pytest.fixture
+def layer(emulator: Emulator) -> Iterator[FaultLayer]:
+    with FaultLayer(emulator.url) as fl:
+        yield fl
+
+
+@pytest.fixture
+def bq_env(layer: FaultLayer, credentials: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The client reaches the emulator through the fault layer, with the test's key."""
+    env = {"BIGQUERY_EMULATOR_HOST": layer.url, "GOOGLE_APPLICATION_CREDENTIALS": str(credentials)}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return env
+
+
+@pytest.fixture
+def warehouse(bq_env: dict[str, str]) -> Iterator[sa.Engine]:
+    engine = create_warehouse_engine(URL, pool_size=2)
+    yield engine
+    engine.dispose()
+
+
+def client(engine: sa.Engine) -> Any:
+    from enrichq_service.bigquery import client_of
+
+    with engine.connect() as conn:
+        return client_of(conn)
+
+
+SCHEMA = {
+    "customers": "customer_id STRING, email STRING",
+    "orders": "order_id STRING, customer_id STRING, placed_at TIMESTAMP, total NUMERIC",
+}
+
+
+def load(engine: sa.Engine, rows: dict[str, list[dict[str, Any]]], schema: dict[str, str]) -> str:
+    """A new dataset holding `rows` per table; its name."""
+    bq = client(engine)
+    dataset = f"wh_{next(_datasets)}_{int(time.time() * 1000) % 10**8}"
+    bq.create_dataset(f"{PROJECT}.{dataset}")
+    for table, columns in schema.items():
+        bq.query(f"CREATE TABLE `{dataset}`.`{table}` ({columns})").result()
+        if rows.get(table):
+            errors = bq.insert_rows_json(f"{PROJECT}.{dataset}.{table}", rows[table])
+            assert not errors, errors
+    return dataset
+
+
+def _json(row: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in row.items():
+        if isinstance(v, Decimal):
+            v = str(v)
+        elif hasattr(v, "isoformat"):
+            v = v.isoformat()
+        out[k] = v
+    return out
+
+
+def world(db_engine: sa.Engine, tickets: int = 40) -> dict[str, list[dict[str, Any]]]:
+    """The seeded world in the queue's database, every ticket enqueued; its warehouse rows."""
+    with db_engine.begin() as conn:
+        seed.seed_world(conn, tickets=tickets)
+        enqueue(conn, ticket_ids(conn))
+        return {
+            "customers": [_json(dict(r._mapping)) for r in conn.execute(seed.SQL("seed_select_customers"))],
+            "orders": [_json(dict(r._mapping)) for r in conn.execute(seed.SQL("seed_select_orders"))],
+        }
+
+
+def bq_settings(db_url: str, dataset: str, **overrides: Any) -> Settings:
+    values: dict[str, Any] = {
+        "warehouse_url": URL,
+        "customers_table": f"{dataset}.customers",
+        "orders_table": f"{dataset}.orders",
+        "concurrency": 2,
+        "lookup_batch_size": 10,
+    }
+    values.update(overrides)
+    return make_settings(db_url, **values)
+
+
+EXPECTED = """
+SELECT t.id, o.order_id FROM helpdesk.tickets AS t
+JOIN warehouse.customers AS c ON lower(c.email) = lower(t.requester_email)
+JOIN warehouse.orders AS o ON o.customer_id = c.customer_id
+"""
+
+
+def written(db_engine: sa.Engine) -> set[tuple[str, str]]:
+    return set(q(db_engine, "SELECT ticket_id, order_id FROM enrichq.ticket_orders"))
+
+
+# -- the lookup through a worker, batch and single
+
+
+@pytest.mark.parametrize("form", ["batch", "single"])
+def test_a_worker_enriches_through_bigquery_with_bounded_labelled_jobs(
+    db_url: str, db_engine: sa.Engine, warehouse: sa.Engine, layer: FaultLayer, form: str
+) -> None:
+    dataset = load(warehouse, world(db_engine), SCHEMA)
+    enricher = "enrichq_service.enrich:warehouse_lookup" if form == "single" else None
+    settings = bq_settings(
+        db_url, dataset, enricher=enricher, attempt_deadline_seconds=40, max_bytes_per_query=2**34
+    )
+    before = len(layer.requests)
+    result = Worker(settings, db_engine, warehouse=warehouse).run(drain=True)
+    tickets = q(db_engine, "SELECT count(*) FROM helpdesk.tickets")[0][0]
+    assert result.counts["done"] == tickets
+    assert written(db_engine) == set(q(db_engine, EXPECTED)) != set()
+    jobs = layer.query_jobs(before)
+    # one job per lookup: no ping, no other statement
+    assert all("lower(c.email)" in j["configuration"]["query"]["query"] for j in jobs)
+    assert all("SELECT 1" not in r.path for r in layer.requests[before:])
+    log = q(db_engine, "SELECT job_id, bytes_billed FROM enrichq.lookup_log")
+    assert len(log) == tickets
+    job_ids = {j["jobReference"]["jobId"] for j in jobs}
+    assert {job for job, _ in log} == job_ids
+    if form == "batch":
+        assert len(jobs) <= -(-tickets // 10) + 2  # batches, not a query per ticket
+    else:
+        assert len(jobs) == tickets
+    for job in jobs:
+        config = job["configuration"]
+        assert job["jobReference"]["jobId"].startswith("enrichq_")
+        assert config["labels"] == {"app": "enrichq", "kind": "enrich"}
+        assert int(config["query"]["maximumBytesBilled"]) == 2**34
+        assert 0 < int(config["jobTimeoutMs"]) <= 40_000
+    # every job billed BigQuery's minimum for the two tables it read, charged exactly once
+    assert set(layer.billed) >= job_ids
+    assert all(layer.billed[j] == 2 * MIN_BYTES_BILLED for j in job_ids)
+    total = sum(layer.billed[j] for j in job_ids)
+    assert sum(b for _, b in log) == total
+    assert q(db_engine, "SELECT bytes_billed FROM enrichq.budget_ledger") == [(total,)]
