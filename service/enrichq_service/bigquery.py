@@ -37,6 +37,8 @@ from zoneinfo import ZoneInfo
 
 import sqlalchemy as sa
 
+from enrichq_schema.errors import SettingsError
+from enrichq_schema.settings import Settings
 from enrichq_service.errors import Deferral, PermanentError, TransientError
 
 LABEL_APP = "enrichq"
@@ -155,9 +157,9 @@ def run(
     except Exception as exc:
         billed = _billed_at_end(client, job, cancel) if job is not None else 0
         error = cancel.why() or mapped(exc, max_bytes=max_bytes)
-        raise JobFailed(
-            error, job_id if job is not None else None, billed, data=_reason(exc) in DATA_REASONS
-        ) from exc
+        # a query refused before it ran (on insert) is not the data's doing
+        data = job is not None and _reason(exc) in DATA_REASONS
+        raise JobFailed(error, job_id if job is not None else None, billed, data=data) from exc
     return Ran(rows, job.job_id or job_id, int(job.total_bytes_billed or 0))
 
 
@@ -275,3 +277,66 @@ def mapped(exc: BaseException, *, max_bytes: int) -> BaseException:
     if isinstance(exc, requests.RequestException):
         return TransientError(f"BigQuery unreachable: {message}")
     return TransientError(f"BigQuery {reason or type(exc).__name__}: {message}")
+
+
+# -- at start-up: usable credentials, and tables with the columns the lookup reads
+
+LOOKUP_COLUMNS = {
+    "customers_table": ("customer_id", "email"),
+    "orders_table": ("order_id", "customer_id", "placed_at", "total"),
+}
+
+
+def preflight(settings: Settings) -> None:
+    """Refuse to start on a BigQuery warehouse the lookup cannot use: credentials missing
+    or unusable, a table not found or not readable, a column missing. SettingsError (one
+    line, exit 2) naming what is wrong and the setting to fix; nothing is billed (table
+    metadata is free)."""
+    from google.api_core import exceptions as api
+    from google.auth import exceptions as auth
+
+    from enrichq_schema.db import create_warehouse_engine
+
+    url = settings.warehouse_url
+    assert url is not None
+    try:
+        engine = create_warehouse_engine(url, pool_size=1)
+    except auth.GoogleAuthError as exc:
+        raise SettingsError(_credentials_problem(exc)) from None
+    except (ValueError, OSError) as exc:  # a key file that is not one, or not readable
+        raise SettingsError(f"BigQuery credentials are unusable: {_message(exc)}") from None
+    try:
+        with engine.connect() as conn:
+            client = client_of(conn)
+            for setting, columns in LOOKUP_COLUMNS.items():
+                name = getattr(settings, setting)
+                where = f"ENRICHQ_{setting.upper()}={name}"
+                try:
+                    table = client.get_table(name, retry=None, timeout=30)
+                except api.NotFound as exc:
+                    raise SettingsError(f"{where}: BigQuery has no such table ({_message(exc)})") from None
+                except api.Forbidden as exc:
+                    raise SettingsError(
+                        f"{where}: access denied ({_message(exc)}); the service account needs "
+                        "roles/bigquery.dataViewer on the dataset and roles/bigquery.jobUser "
+                        "on the project"
+                    ) from None
+                except auth.GoogleAuthError as exc:
+                    raise SettingsError(_credentials_problem(exc)) from None
+                have = {f.name.lower() for f in table.schema}
+                missing = [c for c in columns if c not in have]
+                if missing:
+                    raise SettingsError(
+                        f"{where}: BigQuery table has no column {', '.join(missing)} "
+                        f"(the lookup reads {', '.join(columns)})"
+                    )
+    finally:
+        engine.dispose()
+
+
+def _credentials_problem(exc: BaseException) -> str:
+    return (
+        f"BigQuery credentials are missing or unusable ({_message(exc)}): set "
+        "GOOGLE_APPLICATION_CREDENTIALS to a service account's key file, or run where "
+        "the platform provides them (docs/operations.md)"
+    )

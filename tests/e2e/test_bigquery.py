@@ -187,3 +187,41 @@ def test_a_worker_enriches_through_bigquery_with_bounded_labelled_jobs(
     total = sum(layer.billed[j] for j in job_ids)
     assert sum(b for _, b in log) == total
     assert q(db_engine, "SELECT bytes_billed FROM enrichq.budget_ledger") == [(total,)]
+
+
+def one_ticket(db_engine: sa.Engine, warehouse: sa.Engine) -> tuple[str, str]:
+    """A world of one enqueued ticket whose customer has orders; its id, and the dataset."""
+    rows = world(db_engine, tickets=12)
+    keep = q(db_engine, "SELECT t.id FROM helpdesk.tickets AS t" + EXPECTED.split("helpdesk.tickets AS t")[1] + " ORDER BY 1 LIMIT 1")[0][0]
+    with db_engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM enrichq.queue WHERE key <> :k"), {"k": keep})
+    return keep, load(warehouse, rows, SCHEMA)
+
+
+# -- an abandoned lookup: its job is cancelled, and what it billed is charged
+
+
+def test_an_abandoned_lookup_cancels_its_job_and_charges_what_it_billed(
+    db_url: str, db_engine: sa.Engine, warehouse: sa.Engine, layer: FaultLayer
+) -> None:
+    ticket, dataset = one_ticket(db_engine, warehouse)
+    settings = bq_settings(
+        db_url, dataset, attempt_deadline_seconds=3, backoff_base_seconds=0, backoff_cap_seconds=0
+    )
+    layer.slow_seconds, layer.slow_jobs = 30, 1  # the first query runs 30 s
+    before = len(layer.requests)
+    result = Worker(settings, db_engine, warehouse=warehouse).run(drain=True)
+    assert result.counts["done"] == 1
+    first, second = layer.query_jobs(before)
+    first_id, second_id = (j["jobReference"]["jobId"] for j in (first, second))
+    assert 0 < int(first["configuration"]["jobTimeoutMs"]) <= 3000
+    assert layer.cancelled == [first_id]
+    # both jobs billed, both charged: the abandoned attempt's lookup-log row names its job
+    assert layer.billed[first_id] == layer.billed[second_id] == 2 * MIN_BYTES_BILLED
+    assert q(
+        db_engine, "SELECT attempt, job_id, bytes_billed, status FROM enrichq.lookup_log ORDER BY attempt"
+    ) == [(1, first_id, 2 * MIN_BYTES_BILLED, "error"), (2, second_id, 2 * MIN_BYTES_BILLED, "ok")]
+    assert q(db_engine, "SELECT bytes_billed FROM enrichq.budget_ledger") == [(4 * MIN_BYTES_BILLED,)]
+    assert q(db_engine, "SELECT state, attempts FROM enrichq.queue WHERE key = :k", k=ticket) == [
+        ("done", 2)
+    ]

@@ -234,7 +234,8 @@ class FaultLayer:
     upstream: str
     requests: list[Request] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)
-    slow_seconds: float = 0.0  # query jobs inserted from now on run this long
+    slow_seconds: float = 0.0  # the next `slow_jobs` query jobs inserted run this long
+    slow_jobs: int = 0
     hang: str | None = None  # requests whose path matches this regex never get an answer
     billed: dict[str, int] = field(default_factory=dict)  # job id: bytes, as reported
     cancelled: list[str] = field(default_factory=list)
@@ -314,7 +315,8 @@ class FaultLayer:
             if job_id and query:
                 with self._lock:
                     self._queries[job_id] = query
-                    if self.slow_seconds:
+                    if self.slow_jobs > 0:
+                        self.slow_jobs -= 1
                         self._slow[job_id] = _Slow(time.monotonic(), self.slow_seconds)
         if status == 200 and payload:
             with contextlib.suppress(ValueError):
