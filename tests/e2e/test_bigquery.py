@@ -225,3 +225,63 @@ def test_an_abandoned_lookup_cancels_its_job_and_charges_what_it_billed(
     assert q(db_engine, "SELECT state, attempts FROM enrichq.queue WHERE key = :k", k=ticket) == [
         ("done", 2)
     ]
+
+
+# -- at start-up: credentials, tables and columns, each one line and exit 2
+
+
+def run_worker(env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "enrichq_service", "worker", "--drain"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("problem", "says"),
+    [
+        ("no_credentials", "BigQuery credentials are missing or unusable"),
+        ("not_a_key", "BigQuery credentials are missing or unusable"),
+        ("no_table", "ENRICHQ_ORDERS_TABLE="),
+        ("no_column", "has no column total"),
+    ],
+)
+def test_a_worker_refuses_to_start_without_usable_credentials_or_tables(
+    db_url: str,
+    db_engine: sa.Engine,
+    warehouse: sa.Engine,
+    bq_env: dict[str, str],
+    tmp_path: Path,
+    problem: str,
+    says: str,
+) -> None:
+    _, dataset = one_ticket(db_engine, warehouse)
+    schema = dict(SCHEMA, orders="order_id STRING, customer_id STRING, placed_at TIMESTAMP")
+    if problem == "no_column":
+        dataset = load(warehouse, {}, schema)
+    env = enrichq_env(
+        db_url,
+        warehouse_url=URL,
+        customers_table=f"{dataset}.customers",
+        orders_table=f"{dataset}.{'nope' if problem == 'no_table' else 'orders'}",
+    )
+    env.update(bq_env)
+    if problem == "no_credentials":
+        # no key, no gcloud login in HOME, and the metadata server's address on loopback
+        # where nothing listens: google-auth must never reach the real one from a test
+        del env["GOOGLE_APPLICATION_CREDENTIALS"]
+        env.update(HOME=str(tmp_path), GCE_METADATA_HOST="127.0.0.1:9", GCE_METADATA_IP="127.0.0.1:9")
+    elif problem == "not_a_key":
+        (tmp_path / "key.json").write_text(json.dumps({"type": "service_account"}))
+        env["GOOGLE_APPLICATION_CREDENTIALS"] = str(tmp_path / "key.json")
+    done = run_worker(env)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert says in lines[0]
+    # nothing was claimed
+    assert q(db_engine, "SELECT state, attempts FROM enrichq.queue") == [("queued", 0)]
