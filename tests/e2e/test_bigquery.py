@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -28,13 +29,16 @@ from tests.support.bigquery import (
     credentials_file,
 )
 from tests.support.db import q
-from tests.support.procs import enrichq_env
+from tests.support.procs import enrichq_env, spawn, stop, wait_for
 from tests.support.settings import make_settings
 from tests.support.world import add_tickets, enqueue, ticket_ids
 
 from enrichq_schema.db import create_warehouse_engine
 from enrichq_schema.settings import Settings
 from enrichq_service import seed
+from enrichq_service.bigquery import quota_reset
+from enrichq_service.enrich import EnrichContext, charge_of, read_tickets, warehouse_lookup_batch
+from enrichq_service.errors import Deferral, PermanentError, TransientError
 from enrichq_service.worker import Worker
 
 URL = f"bigquery://{PROJECT}"
@@ -285,3 +289,92 @@ def test_a_worker_refuses_to_start_without_usable_credentials_or_tables(
     assert says in lines[0]
     # nothing was claimed
     assert q(db_engine, "SELECT state, attempts FROM enrichq.queue") == [("queued", 0)]
+
+
+# -- BigQuery's errors, through the fault layer, as BigQuery documents them
+
+
+@pytest.mark.parametrize(
+    ("status", "reason", "outcome", "says"),
+    [
+        (403, "rateLimitExceeded", TransientError, "BigQuery rateLimitExceeded"),
+        (500, "backendError", TransientError, "BigQuery backendError"),
+        (503, "unavailable", TransientError, "BigQuery unavailable"),
+        (403, "quotaExceeded", Deferral, "BigQuery quotaExceeded"),
+        (400, "invalidQuery", PermanentError, "BigQuery invalidQuery"),
+        (404, "notFound", PermanentError, "BigQuery notFound"),
+        (403, "accessDenied", PermanentError, "BigQuery accessDenied"),
+    ],
+)
+def test_bigquery_errors_are_mapped_as_documented(
+    db_engine: sa.Engine,
+    warehouse: sa.Engine,
+    layer: FaultLayer,
+    status: int,
+    reason: str,
+    outcome: type[Exception],
+    says: str,
+) -> None:
+    ticket, dataset = one_ticket(db_engine, warehouse)
+    settings = bq_settings(str(db_engine.url), dataset)
+    with db_engine.connect() as conn:
+        tickets = list(read_tickets(conn, settings, [ticket]).values())
+    layer.faults.append(Fault("POST", r"/jobs(\?|$)", status, reason, times=None))
+    before = len(layer.requests)
+    found = warehouse_lookup_batch(tickets, EnrichContext(settings, warehouse))[ticket]
+    assert isinstance(found, outcome), found
+    assert type(found) is not TransientError or outcome is TransientError
+    assert says in str(found)
+    assert "\n" not in str(found)
+    if isinstance(found, Deferral):
+        assert found.until == quota_reset()  # midnight, Pacific time
+    # refused on insert: one request (the queue's backoff retries, not the client), no bill
+    assert len(layer.jobs(before)) == 1
+    assert charge_of(found, ticket) == (None, 0)
+
+
+def test_a_quota_error_defers_the_work_to_the_reset_without_spending_an_attempt(
+    db_url: str, db_engine: sa.Engine, warehouse: sa.Engine, layer: FaultLayer
+) -> None:
+    ticket, dataset = one_ticket(db_engine, warehouse)
+    layer.faults.append(Fault("POST", r"/jobs(\?|$)", 403, "quotaExceeded", times=None))
+    Worker(bq_settings(db_url, dataset), db_engine, warehouse=warehouse).run(drain=True)
+    [(state, attempts, visible_at)] = q(
+        db_engine, "SELECT state, attempts, visible_at FROM enrichq.queue WHERE key = :k", k=ticket
+    )
+    assert (state, attempts) == ("queued", 0)
+    assert visible_at == quota_reset()
+
+
+# -- a hung BigQuery does not hold up a stop
+
+
+def test_worker_drain_stops_in_bounded_time_while_a_bigquery_call_hangs(
+    db_url: str, db_engine: sa.Engine, warehouse: sa.Engine, layer: FaultLayer, bq_env: dict[str, str], tmp_path: Path
+) -> None:
+    ticket, dataset = one_ticket(db_engine, warehouse)
+    layer.hang = r"/jobs(\?|$)"  # the query job's insert never gets an answer
+    before = len(layer.requests)
+    env = enrichq_env(
+        db_url,
+        warehouse_url=URL,
+        customers_table=f"{dataset}.customers",
+        orders_table=f"{dataset}.orders",
+        attempt_deadline_seconds=600,
+        shutdown_grace_seconds=1,
+    )
+    env.update(bq_env)
+    proc = spawn(["worker", "--drain"], env, log=tmp_path / "worker.log")
+    try:
+        wait_for(lambda: layer.jobs(before), timeout=120, what="the lookup's job insert")
+        proc.send_signal(signal.SIGTERM)
+        # the attempt had 10 minutes left, the client would retry for longer: the stop
+        # does not wait for either
+        code = proc.wait(timeout=60)
+    finally:
+        stop(proc)
+    assert code == 0, (tmp_path / "worker.log").read_text()
+    # handed back for a later attempt (this one had started: it is spent)
+    assert q(db_engine, "SELECT state, attempts FROM enrichq.queue WHERE key = :k", k=ticket) == [
+        ("queued", 1)
+    ]
