@@ -510,11 +510,12 @@ def run_worker(
 
     Before anything starts, the preflight (`connections.preflight`): a database that
     cannot be reached stops the worker with its error (exit 1), a pool mode that the URL
-    contradicts with a SettingsError (exit 2); a worker never loops on either."""
+    contradicts, or a help-desk mirror (ENRICHQ_TICKETS_TABLE) that does not exist, with a
+    SettingsError (exit 2); a worker never loops on either."""
     from enrichq_schema.db import await_schema, redact
     from enrichq_service.observe import start_metrics_server
 
-    connections.preflight(settings, url)
+    connections.preflight(settings, url, mirror=True)
     with worker_process(settings, url) as (worker, _):
         start_metrics_server(settings.metrics_port)
         log.info(
