@@ -415,3 +415,12 @@ def ignores_cancellation(ticket: Ticket, context: EnrichContext) -> Enrichment:
             f.write(str(os.getpid()))
     time.sleep(float(os.environ.get("ENRICHQ_TEST_SLOW_SECONDS", "3")))
     return Enrichment((Order(f"O-{ticket.id}"),), job_id=f"late-{ticket.id}", bytes_billed=500)
+
+
+def window_probe(tickets: Sequence[Ticket], context: EnrichContext) -> Mapping[str, Enrichment]:
+    """A warehouse call that records itself in ENRICHQ_TEST_STARTED_DIR: a file per call,
+    named `pid-start` (monotonic ns), holding how many tickets it got."""
+    folder = os.environ["ENRICHQ_TEST_STARTED_DIR"]
+    with open(os.path.join(folder, f"{os.getpid()}-{time.monotonic_ns()}"), "w") as f:
+        f.write(str(len(tickets)))
+    return {t.id: Enrichment((Order(f"O-{t.id}"),), job_id="window-probe") for t in tickets}
