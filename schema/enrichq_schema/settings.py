@@ -61,7 +61,7 @@ EVENT_DEDUPE_HOURS_DEFAULT = 24
 EVENT_DEDUPE_HOURS_MAX = 24 * 90
 # The built-in enrichment: one warehouse query per claim batch (enrichq_service.enrich).
 BUILTIN_BATCH_ENRICHER = "enrichq_service.enrich:warehouse_lookup_batch"
-LOOKUP_BATCH_SIZE_DEFAULT = 50
+LOOKUP_BATCH_SIZE_DEFAULT = 200
 # Work becomes claimable in cohorts at boundaries this far apart (seconds since the epoch
 # divisible by it), so that one warehouse query serves many tickets at a trickle of traffic.
 LOOKUP_WINDOW_SECONDS_DEFAULT = 30
