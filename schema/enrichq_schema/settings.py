@@ -66,7 +66,11 @@ RECONCILE_INTERVAL_SECONDS_MAX = 86_400
 EVENT_DEDUPE_HOURS_MAX = 24 * 90
 # The built-in enrichment: one warehouse query per claim batch (enrichq_service.enrich).
 BUILTIN_BATCH_ENRICHER = "enrichq_service.enrich:warehouse_lookup_batch"
-LOOKUP_BATCH_SIZE_DEFAULT = 50
+LOOKUP_BATCH_SIZE_DEFAULT = 200
+# Work becomes claimable in cohorts at boundaries this far apart (seconds since the epoch
+# divisible by it), so that one warehouse query serves many tickets at a trickle of traffic.
+LOOKUP_WINDOW_SECONDS_DEFAULT = 30
+LOOKUP_WINDOW_SECONDS_MAX = 3600
 BUILTIN_GAVE_UP_HOOK = "enrichq_sweeper.recovery:log_gave_up"
 NETWORK_TIMEOUT_SECONDS_DEFAULT = 10
 NETWORK_TIMEOUT_SECONDS_MAX = 600
@@ -210,6 +214,13 @@ class Settings(BaseSettings):
     """package.module:function of a batch enrichment; unset = the built-in lookup."""
     lookup_batch_size: Annotated[int, Field(ge=1, le=1000)] = LOOKUP_BATCH_SIZE_DEFAULT
     """Tickets a batch enricher gets at once (one warehouse query)."""
+    lookup_window_seconds: Annotated[
+        float, Field(ge=0, le=LOOKUP_WINDOW_SECONDS_MAX, allow_inf_nan=False)
+    ] = LOOKUP_WINDOW_SECONDS_DEFAULT
+    """Event work becomes visible at the next multiple of this many seconds (a cohort the
+    fleet claims together, one lookup for many tickets); 0 = the moment its delay ends.
+    Manual and redriven work is exempt.
+    """
     warehouse_max_concurrency: Annotated[int, Field(ge=0, le=10_000)] = 0
     """Warehouse lookups running at once, fleet-wide; 0 = no cap."""
     gave_up_hook: str = BUILTIN_GAVE_UP_HOOK
