@@ -71,6 +71,14 @@ LOOKUP_BATCH_SIZE_DEFAULT = 200
 # divisible by it), so that one warehouse query serves many tickets at a trickle of traffic.
 LOOKUP_WINDOW_SECONDS_DEFAULT = 30
 LOOKUP_WINDOW_SECONDS_MAX = 3600
+# BigQuery: the most one query job may bill (its `maximum_bytes_billed`); past it BigQuery
+# refuses the query before it runs, billing nothing. The default, 10 GiB, is a thousand
+# times a batch lookup's usual cost (BigQuery's 10 MB minimum) and a few cents on demand;
+# at most 1 PiB, the most one lookup may report (enrichq_service.enrich.BYTES_MAX); at
+# least BigQuery's 10 MB minimum, below which every query would be refused.
+MAX_BYTES_PER_QUERY_DEFAULT = 10 * 2**30
+MAX_BYTES_PER_QUERY_MIN = 10 * 2**20
+MAX_BYTES_PER_QUERY_MAX = 2**50
 BUILTIN_GAVE_UP_HOOK = "enrichq_sweeper.recovery:log_gave_up"
 NETWORK_TIMEOUT_SECONDS_DEFAULT = 10
 NETWORK_TIMEOUT_SECONDS_MAX = 600
@@ -208,6 +216,10 @@ class Settings(BaseSettings):
     """Keep dead letters."""
     daily_bytes_budget: Annotated[int, Field(ge=0, le=BIGINT_MAX)] = 0
     """Warehouse bytes billed per UTC day; 0 = no budget."""
+    max_bytes_per_query: Annotated[
+        int, Field(ge=MAX_BYTES_PER_QUERY_MIN, le=MAX_BYTES_PER_QUERY_MAX)
+    ] = MAX_BYTES_PER_QUERY_DEFAULT
+    """BigQuery: the most bytes one lookup's query job may bill (its maximum_bytes_billed)."""
     enricher: str | None = None
     """package.module:function of a per-ticket enrichment (not the batch one)."""
     batch_enricher: str | None = None

@@ -496,6 +496,12 @@ def worker_process(settings: Settings, url: str) -> Iterator[tuple[Worker, Worke
     its engines, the build info and queue gauges of /metrics, the worker itself."""
     from enrichq_service.observe import register_queue_collector, set_build_info
 
+    if settings.warehouse_url and sa.make_url(settings.warehouse_url).get_backend_name() == (
+        "bigquery"
+    ):
+        from enrichq_service import bigquery
+
+        bigquery.preflight(settings)  # credentials, tables, columns: SettingsError, exit 2
     engines = build_engines(settings, url)
     try:
         set_build_info(settings.mode.value)
