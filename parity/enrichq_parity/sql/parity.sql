@@ -395,24 +395,35 @@ ORDER BY row_kind, ticket_id
 -- the tickets enrichq enriched and its order rows; then one row (tenant NULL) for the
 -- tickets with rows in {legacy} that {tickets} lacks, and how many of them enrichq never
 -- enriched (only when :legacy_only: the costliest pass, which only a whole cutover needs;
--- else that row says 0). One pass over each table, hashed: once per parity run and cutover.
+-- else that row says 0). Once per parity run and cutover, hashed passes: the mirror's
+-- tickets counted per tenant; the mirror hashed once, probed by both shadow tables' rows.
 WITH mirror AS (
     SELECT coalesce(CAST(t.tenant AS text), '') AS tenant,
            count(*) AS tickets,
-           count(*) FILTER (
-               WHERE e.ticket_id IS NULL AND t.created_at <= CAST(:young_after AS timestamptz)
-           ) AS not_enriched,
-           count(e.ticket_id) AS enriched
+           count(*) FILTER (WHERE t.created_at <= CAST(:young_after AS timestamptz)) AS old
     FROM {tickets} AS t
-    LEFT JOIN enrichq.ticket_enrichments AS e ON e.ticket_id = CAST(t.id AS text)
     GROUP BY 1
 ),
+-- per tenant, the tickets enrichq enriched (and of them those created before
+-- :young_after) and enrichq's order rows; a ticket not enriched is an old one without
+-- an enrichment row (ticket_enrichments holds one row per ticket)
 shadow AS (
-    SELECT coalesce(CAST(t.tenant AS text), '') AS tenant, count(*) AS shadow_orders
-    FROM enrichq.ticket_orders AS s
+    SELECT coalesce(CAST(t.tenant AS text), '') AS tenant,
+           count(*) FILTER (WHERE s.enrichment) AS enriched,
+           count(*) FILTER (
+               WHERE s.enrichment AND t.created_at <= CAST(:young_after AS timestamptz)
+           ) AS enriched_old,
+           count(*) FILTER (WHERE NOT s.enrichment) AS shadow_orders
+    FROM (
+        SELECT e.ticket_id, true AS enrichment FROM enrichq.ticket_enrichments AS e
+        UNION ALL
+        SELECT o.ticket_id, false FROM enrichq.ticket_orders AS o
+    ) AS s
     JOIN {tickets} AS t ON CAST(t.id AS text) = s.ticket_id
     GROUP BY 1
 ),
+-- the mirror's lack is found row by row first (an anti join), then the few ticket ids it
+-- leaves are made distinct: distinct first would hash every legacy ticket id
 legacy_only AS (
     SELECT l.ticket_id,
            EXISTS (
@@ -422,10 +433,16 @@ legacy_only AS (
         SELECT DISTINCT CAST(x.ticket_id AS text) AS ticket_id
         FROM {legacy} AS x
         WHERE CAST(:legacy_only AS boolean)
+          AND NOT EXISTS (
+              SELECT 1 FROM {tickets} AS t
+              WHERE CAST(t.id AS text) = CAST(x.ticket_id AS text)
+          )
     ) AS l
-    WHERE NOT EXISTS (SELECT 1 FROM {tickets} AS t WHERE CAST(t.id AS text) = l.ticket_id)
 )
-SELECT m.tenant, m.tickets, m.not_enriched, m.enriched,
+SELECT m.tenant,
+       m.tickets,
+       m.old - coalesce(s.enriched_old, 0) AS not_enriched,
+       coalesce(s.enriched, 0) AS enriched,
        coalesce(s.shadow_orders, 0) AS shadow_orders
 FROM mirror AS m
 LEFT JOIN shadow AS s ON s.tenant = m.tenant
