@@ -122,10 +122,13 @@ summary AS MATERIALIZED (
                    WHEN p.open THEN 'open_queue_rows'
                    -- never looked up by enrichq, no legacy order: two empty sides are no
                    -- match, nothing was compared
+                   -- (a scalar subquery, one row at most, probed only when reached: NOT
+                   -- EXISTS could be planned as a hash of every enrichment row)
                    WHEN cardinality(c.legacy_ids) = 0
-                        AND NOT EXISTS (
-                            SELECT 1 FROM enrichq.ticket_enrichments AS e
-                            WHERE e.ticket_id = p.ticket_id)
+                        AND (
+                            SELECT true FROM enrichq.ticket_enrichments AS e
+                            WHERE e.ticket_id = p.ticket_id
+                        ) IS NULL
                        THEN 'not_enriched'
                END AS excluded,
                -- equal as sets: each holds the other (a legacy order written twice too)
