@@ -250,7 +250,8 @@ checked AS MATERIALIZED (
         ) AS o
     ) AS v
 ),
--- every differing ticket with its counts and its class (equal as sets after all: exact)
+-- every differing ticket with its counts and its class (the summary already counted a
+-- ticket whose sets are equal exact; the last branch is kept for completeness)
 classified AS MATERIALIZED (
     SELECT ticket_id,
            tenant,
