@@ -333,3 +333,17 @@ def test_any_number_is_refused_in_one_line_or_accepted_finite_within_itsbounds(
     low, high = bounds(name)
     assert math.isfinite(value)
     assert low <= value <= high
+
+
+OLD_SECRET = "whsec-old-8e2c41"
+NEW_SECRET = "whsec-new-f07a93"
+
+
+def test_an_empty_secret_in_the_list_is_refused_without_showing_the_others() -> None:
+    from enrichq_schema.errors import SettingsError
+
+    with pytest.raises(SettingsError) as info:
+        Settings.load(webhook_secret=f"{NEW_SECRET},,{OLD_SECRET}")
+    assert "ENRICHQ_WEBHOOK_SECRET" in str(info.value)
+    assert NEW_SECRET not in str(info.value)
+    assert OLD_SECRET not in str(info.value)
