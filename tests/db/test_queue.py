@@ -349,6 +349,29 @@ def test_retry_requeues_with_capped_jittered_backoff(conn: sa.Connection) -> Non
         assert full / 2 <= delay <= full
 
 
+@pytest.mark.parametrize(("drawn", "share"), [(0.0, 0.5), (0.5, 0.75)])
+def test_the_settle_statement_waits_the_backoff_python_computed(
+    conn: sa.Connection, drawn: float, share: float
+) -> None:
+    cfg = make_settings(max_attempts=10)
+    put(conn, cfg, "T-1")
+    for attempt in range(1, 4):
+        claim_at = 10_000 * attempt
+        job = claim_one(conn, now=claim_at)
+        won = queue.settle(
+            conn,
+            owner="w1",
+            settles=[queue.Settle(job, queue.SettleAction.RETRY, error="boom")],
+            backoff_base_seconds=5,
+            backoff_cap_seconds=300,
+            now=at(claim_at),
+            draw=lambda: drawn,
+        )
+        assert won == {job.id: Outcome.RETRY}
+        delay = (row(conn, job.id).visible_at - at(claim_at)).total_seconds()
+        assert delay == 5 * 2**attempt * share
+
+
 def test_retry_on_the_last_attempt_dead_letters(conn: sa.Connection, cfg: Settings) -> None:
     put(conn, cfg, "T-1")
     for attempt in range(1, 4):
