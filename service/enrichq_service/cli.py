@@ -2,66 +2,24 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
-import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict, Unpack
+from typing import Any, TypedDict, Unpack
 
 import click
 
 from enrichq_schema.errors import SettingsError
 from enrichq_schema.process import Exit, fail, say
 from enrichq_schema.states import AuditCommand, DeadReason, Kind, Reason
-from enrichq_service.cli_support import ROW_ID
-
-if TYPE_CHECKING:
-    from enrichq_schema.settings import Settings
+from enrichq_service.commands import backfill as backfill_commands
+from enrichq_service.commands import migrate as migrate_commands
+from enrichq_service.commands.base import CommandError, Context
+from enrichq_service.commands.options import ROW_ID
 
 # A file that `enrichq parity` writes (or, for --accept, reads).
 REPORT_FILE = click.Path(dir_okay=False, path_type=Path)
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-
-@dataclass
-class Context:
-    """What every command gets: the settings file path, read lazily."""
-
-    config_file: Path | None
-    _settings: Settings | None = None
-
-    @property
-    def settings(self) -> Settings:
-        if self._settings is None:
-            from enrichq_schema.settings import Settings, unknown_variables
-            from enrichq_schema.text import EscapingFormatter
-
-            self._settings = Settings.load(self.config_file)
-            # every record one line, arguments escaped: keys stored before ingest refused
-            # control characters must not forge log lines nor reach the terminal raw
-            handler = logging.StreamHandler()
-            handler.setFormatter(EscapingFormatter(LOG_FORMAT))
-            logging.basicConfig(level=self._settings.log_level, handlers=[handler])
-            # Alembic narrates every migration step at INFO; operators want the outcome.
-            logging.getLogger("alembic").setLevel(logging.WARNING)
-            logging.getLogger("httpx").setLevel(logging.WARNING)
-            for line in unknown_variables(os.environ):
-                logging.getLogger("enrichq_schema.settings").warning("%s", line)
-        return self._settings
-
-    @contextlib.contextmanager
-    def database(self) -> Iterator[str]:
-        """The database URL, starting the embedded PostgreSQL when none is configured."""
-        from enrichq_schema.db import database_url
-
-        with database_url(self.settings.database_url) as url:
-            yield url
-
-
 pass_context = click.make_pass_decorator(Context)
 
 
@@ -94,68 +52,13 @@ def cli(ctx: click.Context, config_file: Path | None) -> None:
     help="With --check: keep checking (every 2 s) until head, for up to SECONDS.",
 )
 @pass_context
-def migrate(ctx: Context, check: bool, wait: float | None) -> None:
+def migrate(ctx: Context, check: bool, wait: float | None) -> int:
     """Create or upgrade enrichq's tables (a no-op when already at the newest revision).
 
     With --check, only say whether the schema is at head: the gate of a worker's or a
     sweeper's init container, so they start after the migration of their release.
     """
-    if wait is not None and not check:
-        fail("migrate: --wait goes with --check")
-    ctx.settings  # noqa: B018 -- a bad setting stops the command before any connection
-    from enrichq_schema.db import migrate as run_migrations
-    from enrichq_schema.db import redact
-    from enrichq_schema.errors import MigrationLocked
-
-    with ctx.database() as url:
-        if check:
-            sys.exit(_check_schema(ctx.settings, url, wait))
-        try:
-            run_migrations(url)
-        except MigrationLocked as exc:
-            say(f"migrate: {exc}")
-            sys.exit(Exit.FAILED)
-        click.echo(f"migrated {redact(url)} to head")
-
-
-SCHEMA_CHECK_SECONDS = 2.0
-
-
-def _check_schema(settings: Settings, url: str, wait: float | None) -> int:
-    """`migrate --check [--wait S]`: 0 at head, 1 while behind (or unreachable at the end)."""
-    import time
-
-    import sqlalchemy.exc as sa_exc
-
-    from enrichq_schema.connections import create_engine
-    from enrichq_schema.db import current_revision, head_revision
-    from enrichq_schema.errors import describe_database_error
-
-    deadline = time.monotonic() + (wait or 0.0)
-    head = head_revision()
-    engine = create_engine(settings, url, application_name="enrichq-migrate-check", pool_size=1)
-    try:
-        while True:
-            try:
-                with engine.connect() as conn:
-                    current = current_revision(conn)
-                problem = (
-                    None
-                    if current == head
-                    else f"the schema is at revision {current or 'none'}, not {head} "
-                    "(run `enrichq migrate`)"
-                )
-            except sa_exc.DBAPIError as exc:
-                problem = describe_database_error(exc) or str(exc).splitlines()[0]
-            if problem is None:
-                click.echo(f"the schema is at head ({head})")
-                return Exit.OK
-            if time.monotonic() + SCHEMA_CHECK_SECONDS > deadline:
-                say(f"migrate --check: {problem}")
-                return Exit.FAILED
-            time.sleep(SCHEMA_CHECK_SECONDS)
-    finally:
-        engine.dispose()
+    return migrate_commands.migrate(ctx, check=check, wait=wait)
 
 
 @cli.command()
@@ -758,7 +661,7 @@ def backfill(
     dry_run: bool,
     page_size: int,
     actor: str | None,
-) -> None:
+) -> int:
     """Enqueue every ticket consumers can read that enrichq never enriched (before cutover).
 
     Walks the help desk's mirror (and, with no --tenant, the tickets with legacy rows the
@@ -766,25 +669,9 @@ def backfill(
     gets a `backfill` row, served after all other work, within the bytes budget and the
     warehouse cap. Audited; `enrichq status` shows the backfill rows by state.
     """
-    settings = ctx.settings
-    since_at = _parse_day(since, "--since")
-    if tenant is not None and (len(tenant) > 200 or not tenant.isprintable()):
-        fail(f"backfill: --tenant {tenant!r}: expected at most 200 printable characters")
-    who = _actor("backfill", actor)
-    from enrichq_service.backfill_command import run_backfill
-
-    with ctx.database() as url:
-        sys.exit(
-            run_backfill(
-                settings,
-                url,
-                tenant=tenant,
-                since=since_at,
-                dry_run=dry_run,
-                page_size=page_size,
-                actor=who,
-            )
-        )
+    return backfill_commands.backfill(
+        ctx, tenant=tenant, since=since, dry_run=dry_run, page_size=page_size, actor=actor
+    )
 
 
 @cli.command()
@@ -808,7 +695,10 @@ def demo(ctx: Context, keep_running: bool, tickets: int) -> None:
 
 def _run(entry: click.Command, args: list[str] | None) -> int:
     try:
-        entry.main(args=args, prog_name="enrichq", standalone_mode=False)
+        code = entry.main(args=args, prog_name="enrichq", standalone_mode=False)
+    except CommandError as exc:
+        say(str(exc))
+        return exc.code
     except click.exceptions.NoArgsIsHelpError as exc:
         if exc.ctx is None or exc.ctx.parent is None:
             click.echo(exc.ctx.get_help() if exc.ctx else str(exc))  # bare `enrichq`
@@ -835,8 +725,8 @@ def _run(entry: click.Command, args: list[str] | None) -> int:
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else Exit.FAILED
     except KeyboardInterrupt:
-        return 130
-    return Exit.OK
+        return Exit.INTERRUPTED
+    return code if isinstance(code, int) else Exit.OK
 
 
 def undecodable_argument(args: list[str]) -> str | None:
