@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -15,6 +14,7 @@ from enrichq_schema.process import Exit, fail, say
 from enrichq_schema.states import AuditCommand, DeadReason, Kind, Reason
 from enrichq_service.commands import backfill as backfill_commands
 from enrichq_service.commands import migrate as migrate_commands
+from enrichq_service.commands import queue as queue_commands
 from enrichq_service.commands.base import CommandError, Context
 from enrichq_service.commands.options import ROW_ID
 
@@ -75,48 +75,17 @@ def migrate(ctx: Context, check: bool, wait: float | None) -> int:
     "--kind", type=click.Choice(["enrich", "refresh"]), default="enrich", show_default=True
 )
 @pass_context
-def enqueue(
-    ctx: Context, keys: tuple[str, ...], reason: str, tenant: str | None, kind: str
-) -> None:
+def enqueue(ctx: Context, keys: tuple[str, ...], reason: str, tenant: str | None, kind: str) -> int:
     """Enqueue tickets KEYS for enrichment; a ticket already queued is merged."""
-    from enrichq_schema.connections import create_engine
-    from enrichq_service import queue
-    from enrichq_service.queue import EnqueueRequest, QueueInputError
-
-    settings = ctx.settings
-    try:
-        requests = [
-            EnqueueRequest.build(key=k, kind=kind, reason=reason, tenant=tenant) for k in keys
-        ]
-    except QueueInputError as exc:
-        fail(str(exc))
-    with ctx.database() as url:
-        engine = create_engine(settings, url, pool_size=1)
-        with engine.begin() as conn:
-            results = queue.enqueue(conn, requests, settings=settings)
-        engine.dispose()
-    for result in results:
-        click.echo(f"{result.key}\t{'inserted' if result.inserted else 'merged'}\t{result.id}")
+    return queue_commands.enqueue(ctx, keys=keys, reason=reason, tenant=tenant, kind=kind)
 
 
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 @pass_context
-def status(ctx: Context, as_json: bool) -> None:
+def status(ctx: Context, as_json: bool) -> int:
     """Queue counts by state and kind, oldest visible age, live leases, dead letters."""
-    settings = ctx.settings  # a bad setting stops the command before any import or connection
-    from enrichq_schema.connections import create_engine
-    from enrichq_service.status import collect, render
-
-    with ctx.database() as url:
-        engine = create_engine(settings, url, pool_size=1)
-        with engine.connect() as conn:
-            report = collect(conn)
-        engine.dispose()
-    if as_json:
-        click.echo(json.dumps(report.as_dict(), indent=2, default=str))
-    else:
-        render(report)
+    return queue_commands.status(ctx, as_json=as_json)
 
 
 @cli.command()
@@ -133,17 +102,9 @@ def status(ctx: Context, as_json: bool) -> None:
     help="Before `enrichq migrate` has run: exit 2 instead of waiting for the schema.",
 )
 @pass_context
-def worker(ctx: Context, drain: bool, time_budget: float | None, no_wait: bool) -> None:
+def worker(ctx: Context, drain: bool, time_budget: float | None, no_wait: bool) -> int:
     """Claim and enrich tickets until stopped (SIGTERM/SIGINT finish in-flight work)."""
-    from enrichq_service.worker import run_worker
-
-    settings = ctx.settings
-    with ctx.database() as url:
-        sys.exit(
-            run_worker(
-                settings, url, drain=drain, time_budget=time_budget, wait_for_schema=not no_wait
-            )
-        )
+    return queue_commands.worker(ctx, drain=drain, time_budget=time_budget, no_wait=no_wait)
 
 
 @cli.command()
@@ -153,13 +114,9 @@ def worker(ctx: Context, drain: bool, time_budget: float | None, no_wait: bool) 
     help="Before `enrichq migrate` has run: exit 2 instead of waiting for the schema.",
 )
 @pass_context
-def serve(ctx: Context, no_wait: bool) -> None:
+def serve(ctx: Context, no_wait: bool) -> int:
     """HTTP ingest (POST /v1/events), health, /metrics and a worker in one process."""
-    from enrichq_service.serve import run_serve
-
-    settings = ctx.settings
-    with ctx.database() as url:
-        sys.exit(run_serve(settings, url, wait_for_schema=not no_wait))
+    return queue_commands.serve(ctx, no_wait=no_wait)
 
 
 @cli.command()
@@ -170,26 +127,9 @@ def serve(ctx: Context, no_wait: bool) -> None:
     help="Before `enrichq migrate` has run: exit 2 instead of waiting for the schema.",
 )
 @pass_context
-def sweep(ctx: Context, once: bool, no_wait: bool) -> None:
+def sweep(ctx: Context, once: bool, no_wait: bool) -> int:
     """Recover expired leases, dead-letter spent rows, prune old rows, enqueue refreshes."""
-    from enrichq_sweeper.scheduler import ScheduledTask, run_sweeper
-
-    settings = ctx.settings
-    scheduled_parity: ScheduledTask | None = None
-    if settings.parity_interval_hours > 0:
-        from enrichq_parity.parity import run_scheduled  # only when parity is scheduled
-
-        scheduled_parity = run_scheduled
-    with ctx.database() as url:
-        sys.exit(
-            run_sweeper(
-                settings,
-                url,
-                once=once,
-                scheduled_parity=scheduled_parity,
-                wait_for_schema=not no_wait,
-            )
-        )
+    return queue_commands.sweep(ctx, once=once, no_wait=no_wait)
 
 
 @cli.group()
