@@ -13,6 +13,7 @@ from enrichq_schema.errors import SettingsError
 from enrichq_schema.process import Exit, fail, say
 from enrichq_schema.states import AuditCommand, DeadReason, Kind, Reason
 from enrichq_service.commands import backfill as backfill_commands
+from enrichq_service.commands import controls as control_commands
 from enrichq_service.commands import migrate as migrate_commands
 from enrichq_service.commands import queue as queue_commands
 from enrichq_service.commands.base import CommandError, Context
@@ -142,13 +143,9 @@ def dlq() -> None:
 @click.option("--limit", type=click.IntRange(min=1, max=10_000), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON lines.")
 @pass_context
-def dlq_list(ctx: Context, reason: str | None, limit: int, as_json: bool) -> None:
+def dlq_list(ctx: Context, reason: str | None, limit: int, as_json: bool) -> int:
     """List dead letters, newest first."""
-    from enrichq_sweeper.dlq import list_cli
-
-    settings = ctx.settings
-    with ctx.database() as url:
-        list_cli(settings, url, reason=reason, limit=limit, as_json=as_json)
+    return control_commands.dlq_list(ctx, reason=reason, limit=limit, as_json=as_json)
 
 
 # -- operator controls: one filter language for cancel, dlq discard and dlq redrive
@@ -164,13 +161,13 @@ the action is recorded in the audit log (`enrichq audit`).
 
 ACTOR_OPTION = click.option("--actor", default=None, help="Who does this (default: the OS user).")
 JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-Decorator = Callable[[Callable[..., None]], Callable[..., None]]
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
 def stacked(options: Sequence[Decorator]) -> Decorator:
     """One decorator applying `options` as if stacked in that order above a command."""
 
-    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
         for option in reversed(options):
             command = option(command)
         return command
@@ -212,91 +209,38 @@ dead_letter_filter = filter_options(
 )
 
 
-def _control(
-    ctx: Context,
-    command: str,
-    options: dict[str, Any],
-) -> None:
-    """Parse the filter (bad input: one line, exit 2, before any connection), then act:
-    `--all` asks for confirmation on a terminal (cancel, discard; --yes skips it), and a run
-    of more than one batch shows its progress on stderr."""
-    from enrichq_schema.audit import AuditInputError, check_actor, default_actor
-    from enrichq_schema.states import AuditCommand
-    from enrichq_service.cli_support import Progress, confirm_every_row, unpadded
-    from enrichq_sweeper.common import DEFAULT_BATCH_SIZE
-    from enrichq_sweeper.controls import SCOPE_OF, ActionResult, run_cli
-    from enrichq_sweeper.errors import FilterError
-    from enrichq_sweeper.filters import Filter
-
-    action = AuditCommand(command)
-    # what is not how to act (--actor, --dry-run, --json, --yes) is the filter's criteria
-    criteria = dict(options)
-    actor, dry_run, as_json = (criteria.pop(name) for name in ("actor", "dry_run", "as_json"))
-    yes = bool(criteria.pop("yes", False))
-    unpadded(command, "--tenant", criteria["tenant"])
-    try:
-        flt = Filter.build(SCOPE_OF[action], **criteria)
-        actor = check_actor(actor or default_actor())
-    except (FilterError, AuditInputError) as exc:
-        fail(f"{command}: {exc}")
-    ask = confirm_every_row(command, yes=yes) if flt.all_rows and "yes" in options else None
-    progress = Progress(command, batch_size=DEFAULT_BATCH_SIZE)
-
-    def before(would: ActionResult) -> bool:
-        if ask is not None and not ask(would):
-            return False
-        progress.start(would)
-        return True
-
-    settings = ctx.settings
-    with ctx.database() as url:
-        run_cli(
-            settings,
-            url,
-            action,
-            flt,
-            actor=actor,
-            dry_run=dry_run,
-            as_json=as_json,
-            batch_size=DEFAULT_BATCH_SIZE,
-            confirm=before,
-            on_batch=progress.batch,
-            on_end=progress.stop,
-        )
-
-
 @dlq.command("redrive", epilog=FILTER_HELP)
 @dead_letter_filter
 @pass_context
-def dlq_redrive(ctx: Context, /, **options: Any) -> None:
+def dlq_redrive(ctx: Context, /, **options: Any) -> int:
     """Put dead letters matching FILTER back in the queue with fresh attempts.
 
     Per ticket the newest matching dead letter is queued again (visible now, reason
     redrive); the others stay dead, merged into it or into the ticket's queued row.
     """
-    _control(ctx, "dlq redrive", options)
+    return control_commands.act(ctx, "dlq redrive", options)
 
 
 @dlq.command("discard", epilog=FILTER_HELP)
 @dead_letter_filter
 @YES_OPTION
 @pass_context
-def dlq_discard(ctx: Context, /, **options: Any) -> None:
+def dlq_discard(ctx: Context, /, **options: Any) -> int:
     """Delete dead letters matching FILTER (for good: there is no undo)."""
-    _control(ctx, "dlq discard", options)
+    return control_commands.act(ctx, "dlq discard", options)
 
 
 @cli.command(epilog=FILTER_HELP)
 @open_row_filter
 @YES_OPTION
 @pass_context
-def cancel(ctx: Context, /, **options: Any) -> None:
+def cancel(ctx: Context, /, **options: Any) -> int:
     """Cancel queued and leased rows matching FILTER: they become dead letters (cancelled).
 
     A cancelled row that a worker holds is fenced: the worker's heartbeat and result are
     refused, so nothing it computes is written. Redrive brings cancelled rows back.
     """
-    _control(ctx, "cancel", options)
+    return control_commands.act(ctx, "cancel", options)
 
 
 PAUSE_HELP = """
@@ -304,26 +248,6 @@ A pause stops claims, not ingest: events still enqueue and merge, and leases alr
 finish normally. Running workers obey it at their next claim (within
 ENRICHQ_POLL_SECONDS), with no restart. `enrichq status` lists the pauses in place.
 """
-
-
-def _pause_scope(command: str, kind: str | None, tenant: str | None) -> Any:
-    from enrichq_service.cli_support import unpadded
-    from enrichq_sweeper.pauses import PauseError, Scope
-
-    unpadded(command, "--tenant", tenant)
-    try:
-        return Scope.build(kind=kind, tenant=tenant)
-    except PauseError as exc:
-        fail(f"{command}: {exc}; nothing changed")
-
-
-def _actor(command: str, actor: str | None) -> str:
-    from enrichq_schema.audit import AuditInputError, check_actor, default_actor
-
-    try:
-        return check_actor(actor or default_actor())
-    except AuditInputError as exc:
-        fail(f"{command}: {exc}; nothing changed")
 
 
 class ScopeOptions(TypedDict):
@@ -355,21 +279,9 @@ def scope_options(whose: str, *own: Decorator) -> Decorator:
     click.option("--reason", default=None, help="Why (shown by status and the audit log)."),
 )
 @pass_context
-def pause(ctx: Context, /, *, reason: str | None, **scope: Unpack[ScopeOptions]) -> None:
+def pause(ctx: Context, /, *, reason: str | None, **scope: Unpack[ScopeOptions]) -> int:
     """Stop workers claiming work of a kind, a tenant, both, or (neither given) all work."""
-    from enrichq_sweeper.pauses import PauseError, check_reason, pause_cli
-
-    paused = _pause_scope("pause", scope["kind"], scope["tenant"])
-    who = _actor("pause", scope["actor"])
-    try:
-        reason = check_reason(reason)
-    except PauseError as exc:
-        fail(f"pause: {exc}; nothing changed")
-    settings = ctx.settings
-    with ctx.database() as url:
-        sys.exit(
-            pause_cli(settings, url, paused, actor=who, reason=reason, as_json=scope["as_json"])
-        )
+    return control_commands.pause(ctx, reason=reason, **scope)
 
 
 @cli.command(epilog=PAUSE_HELP)
@@ -378,18 +290,9 @@ def pause(ctx: Context, /, *, reason: str | None, **scope: Unpack[ScopeOptions])
     click.option("--all", "all_pauses", is_flag=True, help="Every pause in place (alone)."),
 )
 @pass_context
-def resume(ctx: Context, /, *, all_pauses: bool, **scope: Unpack[ScopeOptions]) -> None:
+def resume(ctx: Context, /, *, all_pauses: bool, **scope: Unpack[ScopeOptions]) -> int:
     """Resume the pause of exactly this scope (as it was paused), or --all of them."""
-    from enrichq_sweeper.pauses import resume_cli
-
-    kind, tenant = scope["kind"], scope["tenant"]
-    if all_pauses and (kind is not None or tenant is not None):
-        fail("resume: --all stands alone (no --kind or --tenant); nothing changed")
-    paused = None if all_pauses else _pause_scope("resume", kind, tenant)
-    who = _actor("resume", scope["actor"])
-    settings = ctx.settings
-    with ctx.database() as url:
-        sys.exit(resume_cli(settings, url, paused, actor=who, as_json=scope["as_json"]))
+    return control_commands.resume(ctx, all_pauses=all_pauses, **scope)
 
 
 @cli.command()
@@ -397,13 +300,9 @@ def resume(ctx: Context, /, *, all_pauses: bool, **scope: Unpack[ScopeOptions]) 
 @click.option("--command", "command", type=click.Choice([c.value for c in AuditCommand]))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON lines.")
 @pass_context
-def audit(ctx: Context, limit: int, command: str | None, as_json: bool) -> None:
+def audit(ctx: Context, limit: int, command: str | None, as_json: bool) -> int:
     """Operator actions (cancel, dlq discard/redrive, pause, resume), newest first."""
-    from enrichq_service.audit import list_cli
-
-    settings = ctx.settings
-    with ctx.database() as url:
-        list_cli(settings, url, limit=limit, command=command, as_json=as_json)
+    return control_commands.audit(ctx, limit=limit, command=command, as_json=as_json)
 
 
 def _parse_day(value: str | None, name: str) -> Any:
