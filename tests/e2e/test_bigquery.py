@@ -304,6 +304,7 @@ def test_a_worker_refuses_to_start_without_usable_credentials_or_tables(
         (400, "invalidQuery", PermanentError, "BigQuery invalidQuery"),
         (404, "notFound", PermanentError, "BigQuery notFound"),
         (403, "accessDenied", PermanentError, "BigQuery accessDenied"),
+        (400, "bytesBilledLimitExceeded", PermanentError, "ENRICHQ_MAX_BYTES_PER_QUERY"),
     ],
 )
 def test_bigquery_errors_are_mapped_as_documented(
