@@ -400,7 +400,9 @@ def test_a_value_the_warehouse_cannot_read_fails_only_its_tickets(
     finally:
         warehouse.dispose()
     assert result.stop_reason == "no_work"
-    states = {k: (s, e) for k, s, e in q(db_engine, "SELECT key, state, last_error FROM enrichq.queue")}
+    states = {
+        k: (s, e) for k, s, e in q(db_engine, "SELECT key, state, last_error FROM enrichq.queue")
+    }
     for ticket in failing:
         state, error = states[ticket]
         assert state == "failed", (ticket, error)
