@@ -451,6 +451,12 @@ class _BatchLookup:
     def run(self, group: list[Ticket], *, depth: int) -> None:
         emails = sorted({t.requester_email.lower() for t in group if t.requester_email})
         found: dict[str, list[Order]] = {e: [] for e in emails}
+        if emails and depth and self.context.cancelled.is_set():
+            # abandoned while its batch was being split: the rest never runs
+            abandoned = TransientError("the lookup was abandoned before this part of its batch ran")
+            for ticket in group:
+                self.outcomes[ticket.id] = abandoned
+            return
         if emails:
             try:
                 rows, job_id, billed = _query(self.context, emails)
