@@ -146,4 +146,4 @@ def test_coverage_hashes_no_legacy_ticket_id_the_mirror_has(world: sa.Engine) ->
             assert fed < legacy_rows, (node["Group Key"], fed)
     for table in ("ticket_orders", "ticket_enrichments"):
         reads = [n for n in nodes if _on(n, "enrichq", table)]
-        assert len([n for n in reads if "Seq Scan" in n["Node Type"]]) == 1, table
+        assert len([n for n in reads if "Seq Scan" in n["Node Type"]]) <= 1, table
