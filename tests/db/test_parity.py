@@ -375,6 +375,22 @@ def test_gauges_show_the_latest_run(every_class: tuple[sa.Engine, Settings]) -> 
     assert gauge("enrichq_parity_last_run_timestamp_seconds") == NOW.timestamp()
 
 
+def test_order_sets_compare_as_sets(db_engine: sa.Engine, db_url: str) -> None:
+    """A legacy order written twice, or the two sides in another order, is still the same
+    set: exact, its orders counted once; a set that holds the other and more is not."""
+
+    def build(conn: sa.Connection) -> None:
+        create_sources(conn)
+        add_ticket(conn, "T-twice", created_at=DAY1, legacy=["B", "A", "B"], shadow=["A", "B"])
+        add_ticket(conn, "T-order", created_at=DAY1, legacy=["Z", "Y"], shadow=["Y", "Z"])
+        add_ticket(conn, "T-more", created_at=DAY1, legacy=["M", "M"], shadow=["M", "N"])
+
+    seed(db_engine, build)
+    t = run(db_engine, parity_settings(db_url)).total
+    assert (t.compared, t.exact, t.count(TicketClass.EXTRA_ONLY)) == (3, 2, 1)
+    assert (t.legacy_orders, t.matched_orders) == (5, 5)
+
+
 def test_a_matching_world_passes(db_engine: sa.Engine, db_url: str) -> None:
     def build(conn: sa.Connection) -> None:
         create_sources(conn)
