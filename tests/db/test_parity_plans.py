@@ -114,6 +114,7 @@ def test_the_day_query_probes_each_ticket_once_per_table(world: sa.Engine) -> No
     )
     assert tickets > 300
     assert 0 < no_legacy < tickets // 10
+    assert 0 < differing < tickets // 10
     tables = {
         ("legacy", "ticket_orders"),
         ("enrichq", "ticket_orders"),
