@@ -11,6 +11,7 @@ signature is checked are bounded by `enrichq_service.http_guard`.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import hmac
 import json
@@ -19,6 +20,7 @@ import re
 import socket
 import threading
 import time
+import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -50,7 +52,12 @@ from enrichq_schema.db import current_revision, head_revision
 from enrichq_schema.errors import SettingsError
 from enrichq_schema.settings import Settings
 from enrichq_schema.states import EVENT_ID_MAX_LENGTH, KEY_MAX_LENGTH, Kind
-from enrichq_schema.text import id_problem, unsafe_character, validation_problem
+from enrichq_schema.text import (
+    REFUSED_CATEGORIES,
+    id_problem,
+    unsafe_character,
+    validation_problem,
+)
 from enrichq_service import events as ingest
 from enrichq_service import queue, signatures, zendesk
 from enrichq_service.errors import ServiceError
@@ -77,7 +84,10 @@ EVENT_RESULTS = (
     "ignored",
 )
 # RFC 3339 date-time: a date, a time and a zone; pydantic parses the values.
-_RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d{1,9})?([Zz]|[+-]\d{2}:\d{2})")
+_RFC3339_SCHEMA = (
+    r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt ][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,9})?([Zz]|[+-][0-9]{2}:[0-9]{2})"
+)
+_RFC3339 = re.compile(_RFC3339_SCHEMA)
 _UNIX_SECONDS = re.compile(r"\d{1,12}")
 _SCHEMA_REF = "#/components/schemas/{model}"
 
@@ -102,7 +112,11 @@ class Event(BaseModel):
         default=None, min_length=1, max_length=KEY_MAX_LENGTH, description="Brand or account."
     )
     occurred_at: AwareDatetime = Field(description="When it happened (RFC 3339, with a zone).")
-    payload: dict[str, Any] | None = Field(default=None, description="Kept on the queue row.")
+    payload: dict[str, Any] | None = Field(
+        default=None,
+        description="Kept on the queue row: at most 64 KiB as JSON, and no NUL (\\u0000) in "
+        "any string (PostgreSQL's jsonb cannot store it).",
+    )
 
     @field_validator("ticket_id", "tenant")
     @classmethod
@@ -497,6 +511,56 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+def _char_class(chars: Sequence[int]) -> str:
+    """The code points `chars` (ascending) as the inside of a regular expression's
+    character class: ranges of \\uXXXX escapes in the BMP, the characters themselves past
+    it (ECMA's \\u escapes name UTF-16 units only)."""
+    parts: list[str] = []
+    i = 0
+    while i < len(chars):
+        j = i
+        while j + 1 < len(chars) and chars[j + 1] == chars[j] + 1:
+            j += 1
+
+        def one(c: int) -> str:
+            return f"\\u{c:04x}" if c <= 0xFFFF else chr(c)
+
+        parts.append(one(chars[i]) if i == j else f"{one(chars[i])}-{one(chars[j])}")
+        i = j + 1
+    return "".join(parts)
+
+
+@functools.cache
+def id_patterns() -> tuple[str, str]:
+    """JSON Schema patterns of the id rule (`enrichq_schema.text.id_problem`: no control,
+    format or surrogate character, not blank, no whitespace at either end) and of the event
+    id rule (no such character, not blank), so a client that generates or checks bodies by
+    the schema agrees with the server."""
+    # Lone surrogates (Cs) are refused too, but no pattern can name them: a regular
+    # expression over Unicode text (Rust's, ECMA's with the u flag) refuses the range.
+    # JSON text reaches them only through \\uD800-style escapes, never as UTF-8.
+    refused = [
+        c
+        for c in range(0x110000)
+        if unicodedata.category(chr(c)) in REFUSED_CATEGORIES - {"Cs"}
+    ]
+    space = [c for c in range(0x110000) if chr(c).isspace()]
+    bad = _char_class(refused)
+    edge = _char_class(sorted(set(refused) | set(space)))
+    return f"^[^{edge}](?:[^{bad}]*[^{edge}])?$", f"^[^{bad}]*[^{edge}][^{bad}]*$"
+
+
+def _describe_ids(components: dict[str, Any]) -> None:
+    """Put the rules that validators check in code into the Event schema: ids and tenants,
+    event ids, and the RFC 3339 time."""
+    key, event_id = id_patterns()
+    props = components["Event"]["properties"]
+    props["ticket_id"]["pattern"] = key
+    props["tenant"]["anyOf"][0]["pattern"] = key
+    props["id"]["anyOf"][0]["pattern"] = event_id
+    props["occurred_at"]["pattern"] = f"^{_RFC3339_SCHEMA}$"
+
+
 class _App(FastAPI):
     """FastAPI, with the request body that the ingest route parses itself in its schema."""
 
@@ -508,6 +572,7 @@ class _App(FastAPI):
             components.update(body.pop("$defs", {}))
             body["description"] = "One event, or a batch of 1 to 1,000 events."
             components["EventsBody"] = body
+            _describe_ids(components)
         return schema
 
 
