@@ -10,9 +10,11 @@ retention pass deletes ids older than the window.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -111,3 +113,30 @@ def enqueue(
         else Outcome(d.request.key, went_into.get(d.event_id or ""), False, duplicate=True)
         for o, d in zip(outcomes, deliveries, strict=True)
     ]
+
+
+class DuplicateKey(ValueError):
+    """A JSON object names one key twice."""
+
+
+def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def duplicate_key(body: bytes) -> str | None:
+    """The first key that an object of the JSON `body` names twice, or None (also when
+    `body` is not JSON: that is the parser's to say). Two parsers can take different ones
+    of the two values (the last wins in Python, the first in others), so such a body is
+    refused rather than read one way here and another way by the help desk."""
+    try:
+        json.loads(body, object_pairs_hook=_refuse_duplicates)
+    except DuplicateKey as exc:
+        return str(exc)
+    except (ValueError, RecursionError):
+        return None
+    return None

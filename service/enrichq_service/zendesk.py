@@ -139,6 +139,8 @@ def parse(
         data = from_json(body, allow_inf_nan=False)
     except ValueError as exc:
         return _invalid(f"body is not valid JSON: {exc}")
+    if (key := ingest.duplicate_key(body)) is not None:
+        return _invalid(f"body names the key {key!r} twice in one object")
     if not isinstance(data, dict):
         return _invalid("body must be a JSON object: a Zendesk event or the trigger template")
     fallback_id = _event_id(invocation_id)
