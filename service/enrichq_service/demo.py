@@ -275,11 +275,12 @@ _READ_LEGACY = sa.text(
 
 def _backfill(demo: Settings, demo_url: str, engine: sa.Engine, console: Any) -> None:
     """Step 1b of docs/cutover.md: backfill, then wait for the worker to drain it."""
-    from enrichq_service.backfill_command import run_backfill
+    from enrichq_service.commands import backfill
+    from enrichq_service.commands.base import Context
 
     console.rule("backfill: tickets from before the shadow run")
-    run_backfill(
-        demo, demo_url, tenant=None, since=None, dry_run=False, page_size=1000,
+    backfill.run(
+        Context.given(demo, demo_url), tenant=None, since=None, dry_run=False, page_size=1000,
         actor=DEMO_REVIEWER,
     )  # fmt: skip
     deadline = time.monotonic() + 300

@@ -154,8 +154,7 @@ def _settle(history: History) -> dict[str, Any]:
         "actions": [SETTLE_ACTIONS[i % 4] for i in range(n)],
         "errors": ["timeout"] * n,
         "untils": [None] * n,
-        "backoff_base": 5.0,
-        "backoff_cap": 300.0,
+        "delays": [5.0 if SETTLE_ACTIONS[i % 4] == "retry" else None for i in range(n)],
     }
 
 

@@ -341,3 +341,17 @@ def test_the_lookup_window_is_bounded_and_defaults_to_thirty_seconds() -> None:
     for bad in (-1, 3601, float("nan"), float("inf")):
         with pytest.raises(SettingsError, match="ENRICHQ_LOOKUP_WINDOW_SECONDS"):
             Settings.load(lookup_window_seconds=bad)
+
+
+OLD_SECRET = "whsec-old-8e2c41"
+NEW_SECRET = "whsec-new-f07a93"
+
+
+def test_an_empty_secret_in_the_list_is_refused_without_showing_the_others() -> None:
+    from enrichq_schema.errors import SettingsError
+
+    with pytest.raises(SettingsError) as info:
+        Settings.load(webhook_secret=f"{NEW_SECRET},,{OLD_SECRET}")
+    assert "ENRICHQ_WEBHOOK_SECRET" in str(info.value)
+    assert NEW_SECRET not in str(info.value)
+    assert OLD_SECRET not in str(info.value)

@@ -282,6 +282,7 @@ class Runner:
             cancelled,
             deadline,
             lambda fn: self._jobs.interruptible(held, fn),
+            kind="-".join(sorted({h.job.kind for h in held})),
         )
         tickets = [h.ticket for h in held if h.ticket is not None]  # all are: _precheck
         values: Mapping[str, object]
@@ -327,7 +328,8 @@ def _checked(held: Held, value: object) -> Outcome:
             inner, job_id=inner.job_id or value.job_id, billed=inner.billed + value.bytes_billed
         )
     if isinstance(value, BaseException):
-        return Outcome(held, value)
+        # a failed warehouse job still billed: the built-in lookup records each share on it
+        return Outcome(held, value, *charge_of(value, held.job.key))
     try:
         checked = validate(value)
     except PermanentError as exc:

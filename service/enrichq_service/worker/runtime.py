@@ -496,6 +496,12 @@ def worker_process(settings: Settings, url: str) -> Iterator[tuple[Worker, Worke
     its engines, the build info and queue gauges of /metrics, the worker itself."""
     from enrichq_service.observe import register_queue_collector, set_build_info
 
+    if settings.warehouse_url and sa.make_url(settings.warehouse_url).get_backend_name() == (
+        "bigquery"
+    ):
+        from enrichq_service import bigquery
+
+        bigquery.preflight(settings)  # credentials, tables, columns: SettingsError, exit 2
     engines = build_engines(settings, url)
     try:
         set_build_info(settings.mode.value)
@@ -518,11 +524,12 @@ def run_worker(
 
     Before anything starts, the preflight (`connections.preflight`): a database that
     cannot be reached stops the worker with its error (exit 1), a pool mode that the URL
-    contradicts with a SettingsError (exit 2); a worker never loops on either."""
+    contradicts, or a help-desk mirror (ENRICHQ_TICKETS_TABLE) that does not exist, with a
+    SettingsError (exit 2); a worker never loops on either."""
     from enrichq_schema.db import await_schema, redact
     from enrichq_service.observe import start_metrics_server
 
-    connections.preflight(settings, url)
+    connections.preflight(settings, url, mirror=True)
     with worker_process(settings, url) as (worker, _):
         start_metrics_server(settings.metrics_port)
         log.info(

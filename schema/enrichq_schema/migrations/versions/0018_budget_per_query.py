@@ -17,7 +17,7 @@ day was reserved at the old average by every lookup in flight at once. Now:
   estimate and still running counts at the worst known now.
 
 Revision ID: 0018
-Revises: 0016
+Revises: 0017
 Create Date: 2026-12-05 08:00:00
 """
 
@@ -29,7 +29,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0018"
-down_revision: str | None = "0016"
+down_revision: str | None = "0017"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
