@@ -606,9 +606,7 @@ def _query_bigquery(
 CHARGE_ATTRIBUTE = "enrichq_charges"
 
 
-def charged(
-    error: BaseException, ticket_id: str, job_id: str | None, billed: int
-) -> BaseException:
+def charged(error: BaseException, ticket_id: str, job_id: str | None, billed: int) -> BaseException:
     """`error`, as one ticket's outcome, recording that ticket's charge on it (one error
     may be the outcome of several tickets, each charged its own share)."""
     if job_id is not None or billed:

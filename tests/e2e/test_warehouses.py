@@ -67,8 +67,9 @@ def odd_world(engine: sa.Engine, tickets: int = 80) -> list[str]:
         seed.seed_world(conn, tickets=tickets)
         add_tickets(conn, ["T-no-email"], email=None)
         add_tickets(conn, ["T-shouting"], email=conn.execute(sa.text(SHOUTING)).scalar_one())
-        # an e-mail whose lower case Python and SQL disagree on (final sigma: Python's
-        # lower() makes `σας`, SQL's `σασ`): a customer with an order, and their ticket
+        # an e-mail whose lower case Python and SQL disagree on (a final capital sigma:
+        # Python's lower() makes it a final small sigma, SQL's a small sigma): a customer
+        # with an order, and their ticket
         conn.execute(sa.text(GREEK))
         add_tickets(conn, ["T-greek"], email=GREEK_EMAIL)
         keys = ticket_ids(conn)

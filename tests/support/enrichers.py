@@ -451,6 +451,8 @@ def unasked_keys(tickets: Sequence[Ticket], context: EnrichContext) -> Mapping[s
     """A buggy batch enricher: it answers under ids it was not asked for (each ticket's id
     with a suffix), 3,000 bytes billed each."""
     return {
-        f"{t.id}-unasked": Enrichment((Order(f"O-{t.id}"),), job_id="unasked-job", bytes_billed=3000)
+        f"{t.id}-unasked": Enrichment(
+            (Order(f"O-{t.id}"),), job_id="unasked-job", bytes_billed=3000
+        )
         for t in tickets
     }
