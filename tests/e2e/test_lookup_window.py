@@ -94,8 +94,18 @@ def test_trickling_events_are_claimed_in_cohorts_by_two_workers(
     folder.mkdir()
     procs = workers(db_url, folder, tmp_path, window=window)
     try:
-        wait_for(lambda: len(list((tmp_path).glob("w*.log"))) == 2, timeout=10, what="logs")
-        time.sleep(2)  # both workers idle and listening before the first event
+        # both workers listening before the first event (a NOTIFY sent before is not heard,
+        # and the poll is 30 s)
+        wait_for(
+            lambda: q(
+                db_engine,
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND query LIKE 'LISTEN %'",
+            )
+            == [(2,)],
+            timeout=60,
+            what="two workers listening",
+        )
         trickle(db_engine, keys, window=window, every=0.1)
         wait_for(
             lambda: (
