@@ -57,6 +57,11 @@ worker_errors_total = Counter(
 
 # -- enrichment
 lookups_total = Counter("enrichq_lookups_total", "Warehouse lookups by status.", ["status"])
+batch_unasked_answers_total = Counter(
+    "enrichq_batch_unasked_answers_total",
+    "Answers a batch enricher gave under ticket ids it was not asked for (dropped; their"
+    " bytes billed are charged to the batch's tickets).",
+)
 warehouse_bytes_billed_total = Counter(
     "enrichq_warehouse_bytes_billed_total", "Bytes billed by the warehouse for lookups."
 )

@@ -95,9 +95,9 @@ def client_of(conn: sa.Connection) -> Any:
     return conn.connection.dbapi_connection._client  # type: ignore[union-attr]
 
 
-def compiled(conn: sa.Connection, stmt: sa.TextClause, params: Mapping[str, Any]) -> tuple[
-    str, list[Any]
-]:
+def compiled(
+    conn: sa.Connection, stmt: sa.TextClause, params: Mapping[str, Any]
+) -> tuple[str, list[Any]]:
     """`stmt` as BigQuery SQL with named parameters (@name), and those parameters: the
     dialect expands a list into one bound value each, as on every dialect."""
     from google.cloud import bigquery
@@ -314,7 +314,9 @@ def preflight(settings: Settings) -> None:
                 try:
                     table = client.get_table(name, retry=None, timeout=30)
                 except api.NotFound as exc:
-                    raise SettingsError(f"{where}: BigQuery has no such table ({_message(exc)})") from None
+                    raise SettingsError(
+                        f"{where}: BigQuery has no such table ({_message(exc)})"
+                    ) from None
                 except api.Forbidden as exc:
                     raise SettingsError(
                         f"{where}: access denied ({_message(exc)}); the service account needs "

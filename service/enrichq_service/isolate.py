@@ -64,6 +64,7 @@ from enrichq_service.enrich import (
     Enrichment,
     Order,
     PluginAborted,
+    Surcharge,
     Ticket,
     choose,
     enrich_all,
@@ -86,7 +87,7 @@ END_SESSIONS_SECONDS = 5.0
 # the stop signals of a process group, which a child leaves to its parent
 GROUP_STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
 
-Outcomes = dict[str, Enrichment | BaseException]
+Outcomes = dict[str, Enrichment | BaseException | Surcharge]
 
 
 def is_suspect(attempts: int, last_error: str | None) -> bool:
@@ -228,8 +229,13 @@ def _each(tickets: Sequence[Ticket], error: BaseException) -> Outcomes:
     return {t.id: error for t in tickets}
 
 
-def _outcome(answer: dict[str, Any]) -> Enrichment | BaseException:
+def _outcome(answer: dict[str, Any]) -> Enrichment | BaseException | Surcharge:
     """A ticket's outcome from the child's answer for it."""
+    surcharge = answer.get("surcharge")
+    if surcharge is not None:
+        inner = _outcome({k: v for k, v in answer.items() if k != "surcharge"})
+        assert not isinstance(inner, Surcharge)
+        return Surcharge(inner, int(surcharge["bytes_billed"]), surcharge.get("job_id"))
     error = answer.get("error")
     if error == "permanent":
         return PermanentError(answer["message"])
@@ -279,7 +285,12 @@ def _ticket(t: dict[str, Any]) -> Ticket:
 
 
 def _answer(outcome: object) -> dict[str, Any]:
-    """The child's answer for one ticket: its validated enrichment, or its error's kind."""
+    """The child's answer for one ticket: its validated enrichment, or its error's kind
+    (and a surcharge's bytes)."""
+    if isinstance(outcome, Surcharge):
+        answer = _answer(outcome.value)
+        answer["surcharge"] = {"bytes_billed": outcome.bytes_billed, "job_id": outcome.job_id}
+        return answer
     if isinstance(outcome, Deferral):
         return {"error": "defer", "message": str(outcome), "until": outcome.until.isoformat()}
     if isinstance(outcome, PermanentError):

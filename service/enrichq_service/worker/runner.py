@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 import sqlalchemy as sa
@@ -40,6 +40,7 @@ from enrichq_service.enrich import (
     Lookup,
     PluginAborted,
     Result,
+    Surcharge,
     charge_of,
     enrich_all,
     error_text,
@@ -319,7 +320,13 @@ def _aborted_batch(values: Mapping[str, object]) -> bool:
 
 def _checked(held: Held, value: object) -> Outcome:
     """One job's outcome from what the plug-in gave for it: an exception as it is, a result
-    validated where it enters (an invalid one fails this job alone, still charged)."""
+    validated where it enters (an invalid one fails this job alone, still charged); a
+    surcharge (bytes billed under answers the batch was not asked for) is added to it."""
+    if isinstance(value, Surcharge):
+        inner = _checked(held, value.value)
+        return replace(
+            inner, job_id=inner.job_id or value.job_id, billed=inner.billed + value.bytes_billed
+        )
     if isinstance(value, BaseException):
         # a failed warehouse job still billed: the built-in lookup records each share on it
         return Outcome(held, value, *charge_of(value, held.job.key))
