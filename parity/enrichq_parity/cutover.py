@@ -1,21 +1,5 @@
-"""Cutover: move consumers from the legacy table to the shadow table, whole or per tenant.
-
-Consumers read ``enrichq_public.ticket_orders`` (ticket_id, order_id, looked_up_at). The
-view is in one of three modes:
-
-- ``legacy``: it reads the legacy table (before any cutover, and after a full rollback);
-- ``staged``: it reads enrichq's rows for the tenants in ``enrichq_public.cutover_tenants``
-  and the legacy rows for every other ticket (``enrichq cutover --tenant T``);
-- ``shadow``: it reads enrichq's table for every ticket (``enrichq cutover``).
-
-Every step is one transaction, under an advisory lock, recorded in ``enrichq.cutover_events``
-(one event per tenant moved, or one with no tenant for the whole view). A move towards
-enrichq is gated on the latest finished parity run: it passed (for each tenant moved, on
-that tenant's own figures, every legacy fault accepted), it is fresh, and a reviewer
-approved it. Going back is never gated. This is the one module that touches
-consumer-facing objects: service and sweeper code never import it (an import-linter
-contract).
-"""
+"""Cutover: move consumers from the legacy table to the shadow table, whole or per tenant,
+gated on an approved, fresh, passing parity run; rollback is never gated."""
 
 from __future__ import annotations
 

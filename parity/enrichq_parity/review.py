@@ -1,10 +1,5 @@
-"""The review of parity runs: a reviewer's approval, the list of runs, a stored run's report.
-
-A reviewer reads a finished run's report and signs it: ``enrichq parity approve RUN --by
-NAME``. Cutover needs a signature on the run it judges (`enrichq_parity.cutover`). Only a
-finished run that passed its bars can be signed; one that still has legacy faults without an
-accepted rule can be, but cutover refuses the tenants those faults belong to.
-"""
+"""The review of parity runs: a reviewer's approval, the list of runs, a stored run's
+report."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
 """What the operator commands share (cancel, dlq, pause, resume): their input types and
-checks, the confirmation of an action over every row, and the progress of a long one.
-
-Checks here refuse operator input before any connection (one line, exit 2); the domain's
-own checks (enrichq_sweeper.filters, .pauses) still run after them. Nothing here imports a
-heavy stack at module import: rich loads only when a progress bar is shown.
-"""
+checks, the confirmation of an action over every row, and the progress of a long one."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""Ingest of help-desk events, safe to redeliver (DESIGN §6, POST /v1/events).
-
-An event may carry the help desk's event `id`. A delivery whose id was seen within
-ENRICHQ_EVENT_DEDUPE_HOURS is a redelivery: it is acknowledged as a duplicate and enqueues
-nothing, also after the first delivery's row was claimed, done or pruned. The ids are
-recorded in the transaction that enqueues the events (sql/events.sql): if the enqueue
-rolls back, so does the record, and the help desk's retry is processed. The sweeper's
-retention pass deletes ids older than the window.
-"""
+"""Ingest of help-desk events, safe to redeliver (POST /v1/events): an event id seen within
+ENRICHQ_EVENT_DEDUPE_HOURS is acknowledged as a duplicate and enqueues nothing."""
 
 from __future__ import annotations
 

@@ -1,21 +1,5 @@
-"""Zendesk webhooks as Zendesk sends them (POST /v1/zendesk): verification and mapping.
-
-Verification as Zendesk documents it ("Verifying webhook authenticity"):
-X-Zendesk-Webhook-Signature = base64(HMAC-SHA256(signing secret,
-X-Zendesk-Webhook-Signature-Timestamp + raw body)), the timestamp ISO-8601.
-
-Two bodies are understood (docs/zendesk.md):
-
-- an event subscription's event: `type` `zen:event-type:ticket.*`, `id`, `time`,
-  `subject` `zen:ticket:<id>` and `detail`, the ticket. `ticket.created` is reason
-  `created`, every other ticket event `updated`; an event of another domain (user,
-  organization...) is ignored, answered 2xx (Zendesk does not retry a 2xx; a 4xx would fill
-  its error log and trip its circuit breaker);
-- a trigger's or automation's JSON body, the template of docs/zendesk.md:
-  `{"ticket_id": "{{ticket.id}}", "event": "created" | "updated", ...}`.
-
-Pure functions returning frozen records; http.py is the HTTP layer.
-"""
+"""Zendesk webhooks as Zendesk sends them (POST /v1/zendesk): signature verification and
+the mapping of its two body shapes to events. Pure functions; http.py is the HTTP layer."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
-"""The backfill: enqueue every ticket consumers can read that enrichq never enriched.
-
-Parity compares a window of recent tickets; consumers read every ticket. A ticket created
-before the shadow run began has legacy rows but no enrichment, and a cutover would show its
-consumers nothing. `enrichq backfill` walks the help desk's mirror (of one tenant, or every
-one; created since a date, or ever) in id order, a page per transaction, and enqueues a
-`backfill` row for each ticket enrichq never enriched that has no open queue row; then,
-with no tenant asked for, the tickets with legacy rows that the mirror lacks. Backfill rows
-are served after every other kind of work and never aged up (the claim's order), so they
-use the fleet's spare capacity, within the daily bytes budget and the warehouse cap like
-any lookup. The action is audited: one audit row, its rows added page by page.
-"""
+"""The backfill: enqueue every ticket consumers can read that enrichq never enriched, as
+low-priority `backfill` rows, a page of the mirror per transaction, audited."""
 
 from __future__ import annotations
 

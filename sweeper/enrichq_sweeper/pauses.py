@@ -1,15 +1,5 @@
-"""Pause and resume: claims stopped by an operator, per kind and tenant (DESIGN §3).
-
-A pause is a row of `enrichq.pauses` with a scope: a kind, a tenant, both, or neither
-(NULL matches every kind or every tenant). Every claim skips the (kind, tenant) pairs a
-pause covers before reading any of their rows, so running workers obey a pause at their
-next claim (within one poll interval) without a restart, and a paused backlog costs the
-claim nothing. Ingest goes on: events still enqueue and merge. Leases already held finish
-normally. Resume deletes the pause of exactly the scope given (`--all`: every pause) and
-wakes the workers.
-
-Pausing and resuming are recorded in the audit log in the same transaction.
-"""
+"""Pause and resume: claims stopped by an operator, per kind and tenant, obeyed by running
+workers at their next claim, and recorded in the audit log."""
 
 from __future__ import annotations
 

@@ -1,18 +1,5 @@
-"""The refresh schedule: re-enrich recently active tickets whose enrichment is stale.
-
-Late orders reach agents this way: a ticket updated in the last week whose last enrichment
-is more than a day old gets one `refresh` row, visible now, with the ticket's tenant (from
-the mirror) and its plan's priority, like any enqueue, so pauses, cancels and fairness see it
-as that tenant's work; a ticket without a tenant is ownerless (the middle plan). A ticket
-the queue gave up on (failed, or dead-lettered for a reason other than being superseded)
-after its last enrichment gets nothing until it is redriven, and a ticket never enriched is
-its enrich row's business, not refresh's.
-
-A pass walks the tickets updated in the last week in (updated_at, id) order, a page at a
-time in a transaction of its own, so its cost follows recent activity, never the size of
-the history, and no statement inserts more than a page of rows. The mirror needs an index
-on (updated_at, id) for that walk (docs/operations.md).
-"""
+"""The refresh schedule: re-enrich recently active tickets whose enrichment is stale, a
+page of recently updated tickets per transaction."""
 
 from __future__ import annotations
 

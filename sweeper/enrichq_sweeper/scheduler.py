@@ -1,12 +1,5 @@
-"""`enrichq sweep`: elect one leader among the replicas, then run the tasks on a schedule.
-
-The leader runs lease recovery and the terminal counts of /metrics every
-ENRICHQ_SWEEP_INTERVAL_SECONDS, retention daily, the refresh enqueue every
-ENRICHQ_REFRESH_INTERVAL_SECONDS and, when
-ENRICHQ_PARITY_INTERVAL_HOURS > 0, parity; the others retry the leader lock every few
-seconds and take over when the leader dies. APScheduler is imported only here, so the CLI
-stays quick to start.
-"""
+"""`enrichq sweep`: elect one leader among the replicas, then run the sweeper's tasks on a
+schedule."""
 
 from __future__ import annotations
 

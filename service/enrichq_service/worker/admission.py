@@ -1,30 +1,6 @@
-"""Fleet-wide admission of warehouse lookups: the daily bytes budget and the warehouse cap.
-
-Before a lookup runs, it is admitted by one statement (`enrichq.admission_take`, run outside
-a transaction) that serializes with every other admission of the fleet (an advisory lock
-it takes and lets go on the server: a frozen worker never holds it while the others wait)
-and inserts a row into `enrichq.lookups_in_flight`: the lookup's slot under
-`ENRICHQ_WAREHOUSE_MAX_CONCURRENCY`, and the bytes it is expected to cost reserved against
-`ENRICHQ_DAILY_BYTES_BUDGET`. The admission is refused when every slot is taken, or when
-the bytes billed today plus the bytes reserved by the lookups in flight reach the budget.
-The settle that charges the lookup's real bytes releases the row in the same transaction;
-this worker's heartbeat extends its rows for as long as they are there (also while a
-lookup whose attempt was abandoned still runs); a worker that dies leaves its rows behind
-only until they expire, one lease after its last heartbeat.
-
-The expected cost of a lookup is the latest day's average (the ledger knows it, 0 bytes
-included), or, before any lookup was charged, the real cost of a lookup that ran and is
-not settled yet. With nothing known at all, a worker admits one lookup at a time until its
-first one has cost something; that lookup then reserves what it really cost, before its
-settle. So the fleet overspends its budget by at most one lookup per worker.
-
-The database being unavailable during an admission (a connection terminated, a statement
-timed out) is waited out with backoff, as the claim loop does: the jobs still have not
-started, and are deferred, their attempt given back, if their deadline passes meanwhile.
-
-With neither a budget nor a cap, nothing is admitted and nothing is written: a lookup
-just runs.
-"""
+"""Fleet-wide admission of warehouse lookups: a lookup runs only once one statement has
+given it a slot under the warehouse cap and reserved its expected bytes against the daily
+budget."""
 
 from __future__ import annotations
 

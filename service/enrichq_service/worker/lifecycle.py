@@ -1,25 +1,6 @@
-"""A held job's life, as one small state machine, and the registry of the jobs held.
-
-Every job this process holds goes through these phases:
-
-    claimed ──start──▶ started ──finish──▶ finished ──hand_off──▶ settling ──settled──▶ settled
-       │                  │                    │
-       │ abandon          │ abandon            │ lose
-       ▼                  ▼                    ▼
-    settling           abandoned             lost
-    (defer: never      (retry handed to the
-     started, the       settler; the handler
-     attempt back)      may still return)
-
-and a heartbeat may find the lease gone (`lose`) in claimed, started or finished. The
-transition function is pure; the registry (`Jobs`) applies it under one lock and is the
-only state the claim loop, the runner, the settler and the heartbeat share.
-
-A job is one claim of a row (its id and claim token), not the row: a row deferred to now
-is claimed again, perhaps by this process, while its old claim is still being settled or
-is still in the heartbeat's snapshot. Every report about a job (lost, settled) names the
-claim, so it never touches the row's newer claim.
-"""
+"""A held job's life as one small pure state machine (claimed, started, finished, settling,
+settled, abandoned, lost), and the registry of the jobs held, the only state the worker's
+threads share."""
 
 from __future__ import annotations
 

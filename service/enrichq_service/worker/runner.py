@@ -1,22 +1,5 @@
-"""The job runner: runs the enrichment of claimed jobs on a pool of threads.
-
-Jobs arrive in units: one job for a per-ticket enricher, up to ENRICHQ_LOOKUP_BATCH_SIZE
-for a batch enricher, and a unit takes one thread (and one warehouse query, for the
-built-in lookup). ENRICHQ_CONCURRENCY counts units: a worker holds up to that many units'
-worth of jobs. The runner owns the pool and knows how many threads are free; the claim
-loop claims only as many jobs as can start at once, so no job ever waits behind a hung
-plug-in and loses attempts it never used. A thread whose plug-in hangs past the attempt's
-deadline is abandoned (its job retried) and stays busy until the plug-in returns: the pool
-has a spare thread per slot, and once those are taken the worker claims less.
-
-For each unit the runner checks each job (known kind, payload, mirrored ticket), admits
-the lookup fleet-wide (budget, warehouse cap), starts the jobs that may still start (one
-deferred, lost or abandoned meanwhile never does: a job is not running while it waits for
-its admission, and its attempt is given back if its deadline passes then), runs the
-enricher (the unit's suspects, whose previous attempt lost its process, in a child
-process: `enrichq_service.isolate`), validates each result where it enters, and hands the
-settler one settlement per job.
-"""
+"""The job runner: runs the enrichment of claimed units of jobs on a pool of threads,
+admits their lookups, and hands the settler one settlement per job."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
--- The sweeper's statements (DESIGN §3: sweep, redrive, prune; the refresh schedule; the
--- run log). Every statement takes :now (NULL = the database clock) so tests can move time.
--- Batched writes take their row locks in id order, like the queue's own statements, so a
--- batch and a worker's settle can wait for each other but never deadlock.
---
--- The retention prunes (retention_prune_*) share a shape, not text: each deletes a page of
--- its table's oldest rows past :cutoff (at most :batch_size, through the table's age index,
--- FOR UPDATE SKIP LOCKED, deleted by row version), but nearly every line of that shape
--- names the table, its age column or its own predicate. A fragment (constant text, see
--- enrichq_schema.queries) could hold a line or two at a time, so each prune is written out.
+-- The sweeper's statements: sweep, redrive, prune, the refresh schedule, the run log.
+-- Every statement takes :now (NULL = the database clock). Batched writes lock their rows in
+-- id order, like the queue's own statements, so a batch and a settle never deadlock.
 
 
 -- name: sweeper_statement_timeout
