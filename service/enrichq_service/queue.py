@@ -185,7 +185,10 @@ def enqueue(
     settings: Settings,
     now: datetime | None = None,
 ) -> list[EnqueueResult]:
-    """Enqueue a batch in one round trip; a (kind, key) already queued is merged."""
+    """Enqueue a batch in one round trip; a (kind, key) already queued is merged.
+
+    Event work becomes visible at the lookup window's next boundary after its delay
+    (`ENRICHQ_LOOKUP_WINDOW_SECONDS`); manual and redriven work when its delay ends."""
     if not requests:
         return []
     params = {
@@ -201,6 +204,7 @@ def enqueue(
         "max_attempts": [settings.max_attempts] * len(requests),
         "middle_priority": OWNERLESS_PRIORITY,
         "channel": NOTIFY_CHANNEL,
+        "window_seconds": float(settings.lookup_window_seconds),
         "now": now,
     }
     rows = conn.execute(SQL("queue_enqueue"), params).all()

@@ -66,6 +66,12 @@ class _Tasks:
     def refresh(self) -> bool:
         return passes.refresh_pass(self.engine, self.settings, owner=self.owner).ok
 
+    def reconcile(self) -> bool:
+        report = passes.reconcile_pass(
+            self.engine, self.settings, should_stop=self.should_stop, owner=self.owner
+        )
+        return report.ok
+
     def counts(self) -> bool:
         return passes.counts_pass(self.engine, self.settings, owner=self.owner).ok
 
@@ -89,6 +95,8 @@ class _Tasks:
             # the terminal counts /metrics reads, as fresh as lease recovery
             ("counts", self.counts, self.settings.sweep_interval_seconds),
         ]
+        if self.settings.reconcile_interval_seconds > 0:
+            jobs.append(("reconcile", self.reconcile, self.settings.reconcile_interval_seconds))
         if self.settings.parity_interval_hours > 0:
             hours = self.settings.parity_interval_hours
             jobs.append(("parity", self.parity, hours * SECONDS_PER_HOUR))
@@ -144,7 +152,9 @@ def run_sweeper(
     except HookError as exc:
         say(f"invalid setting ENRICHQ_GAVE_UP_HOOK: {exc}")
         return Exit.USAGE
-    preflight(settings, url)  # a pool mode the URL contradicts: exit 2, before anything else
+    # a pool mode the URL contradicts, or no mirror table (refresh and reconcile read it):
+    # exit 2, before anything else
+    preflight(settings, url, mirror=True)
     owner = process_id()
     engine = create_engine(
         settings,

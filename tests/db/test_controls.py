@@ -24,6 +24,8 @@ from enrichq_schema import audit
 from enrichq_schema.states import AuditCommand
 from enrichq_schema.tables import queue
 from enrichq_service import queue as q
+from enrichq_service.commands import controls as control_commands
+from enrichq_service.commands.base import CommandError, Context
 from enrichq_service.queue import EnqueueRequest, Job
 from enrichq_sweeper import controls
 from enrichq_sweeper.errors import FilterError
@@ -445,11 +447,12 @@ def test_keys_with_control_characters_are_shown_escaped(
         row(conn, evil, "dead_letter", tenant="t\u202eevil")
     settings = make_settings(db_url)
     flt = Filter.build(Scope.DEAD, keys=[evil])
-    controls.run_cli(settings, db_url, AuditCommand.DLQ_REDRIVE, flt, actor="ops", dry_run=True)
+    ctx = Context.given(settings, db_url)
+    control_commands.run_action(
+        ctx, AuditCommand.DLQ_REDRIVE, flt, actor="ops", dry_run=True, batch_size=1000
+    )
     out = capsys.readouterr().out
-    from enrichq_sweeper import dlq
-
-    dlq.list_cli(settings, db_url, reason=None, limit=10, as_json=False)
+    control_commands.dlq_list(ctx, reason=None, limit=10, as_json=False)
     table = capsys.readouterr().out
     for printed in (out, table):
         assert "\x1b" not in printed
@@ -500,10 +503,9 @@ def test_an_action_stopped_by_the_statement_timeout_says_so_and_what_committed(
     )
     settings = make_settings(db_url, statement_timeout_seconds=0.5)
     try:
-        with pytest.raises(SystemExit) as stopped:
-            controls.run_cli(
-                settings,
-                db_url,
+        with pytest.raises(CommandError) as stopped:
+            control_commands.run_action(
+                Context.given(settings, db_url),
                 AuditCommand.CANCEL,
                 Filter.build(Scope.OPEN, all_rows=True),
                 actor="ops",
@@ -514,13 +516,13 @@ def test_an_action_stopped_by_the_statement_timeout_says_so_and_what_committed(
         blocker_tx.rollback()
         blocker.close()
     assert stopped.value.code == 1
-    err = capsys.readouterr().err
+    err = str(stopped.value)
     [entry] = audit.recent(db_engine.connect(), limit=5)
     assert err == (
-        "enrichq: cancel: stopped during batch 2: a statement ran past the statement timeout"
+        "cancel: stopped during batch 2: a statement ran past the statement timeout"
         " (0.5 s, ENRICHQ_STATEMENT_TIMEOUT_SECONDS); the batches before it committed and stay"
         f" done: 1 cancelled (1 queued, 0 leased); 1 batch, audit id {entry.id}; run it again"
-        " for the rest\n"
+        " for the rest"
     )
     with db_engine.connect() as conn:
         assert [get(conn, i).state for i in ids] == ["dead_letter", "queued", "queued"]
@@ -568,13 +570,13 @@ def test_cancel_all_asks_on_a_terminal_unless_yes(
 ) -> None:
     import io
 
-    from enrichq_service import cli_support
     from enrichq_service.cli import main
+    from enrichq_service.commands import progress
 
     many_queued(db_engine, 3)
     monkeypatch.setenv("ENRICHQ_DATABASE_URL", db_url)
     monkeypatch.setattr("sys.stdin", io.StringIO(answer))
-    monkeypatch.setattr(cli_support, "is_terminal", lambda stream: stream is sys.stdin)
+    monkeypatch.setattr(progress, "is_terminal", lambda stream: stream is sys.stdin)
     assert main(args) == code
     err = capsys.readouterr().err
     assert ("cancel 3 rows (3 queued) matching --all? [y/N]" in err) == asked
@@ -591,14 +593,14 @@ def test_dlq_discard_all_asks_too(
 ) -> None:
     import io
 
-    from enrichq_service import cli_support
     from enrichq_service.cli import main
+    from enrichq_service.commands import progress
 
     with db_engine.begin() as conn:
         row(conn, "T-1", "dead_letter")
     monkeypatch.setenv("ENRICHQ_DATABASE_URL", db_url)
     monkeypatch.setattr("sys.stdin", io.StringIO("\n"))  # the default is no
-    monkeypatch.setattr(cli_support, "is_terminal", lambda stream: stream is sys.stdin)
+    monkeypatch.setattr(progress, "is_terminal", lambda stream: stream is sys.stdin)
     assert main(["dlq", "discard", "--all"]) == 1
     assert "dlq discard 1 dead letter matching --all? [y/N]" in capsys.readouterr().err
     assert seen_from_outside(db_engine, "SELECT count(*) FROM enrichq.queue")[0][0] == 1

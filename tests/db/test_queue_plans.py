@@ -205,6 +205,7 @@ STATEMENTS: dict[str, tuple[Queries, str, Callable[[History], dict[str, Any]], s
             "max_attempts": [5] * 20,
             "middle_priority": OWNERLESS_PRIORITY,
             "channel": NOTIFY_CHANNEL,
+            "window_seconds": 30.0,
             "now": None,
         },
         # a merge finds its queued row through the arbiter of ON CONFLICT (the queued-key

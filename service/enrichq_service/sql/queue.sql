@@ -8,7 +8,8 @@
 -- One queued row per input unless (kind, key) is queued already (merge, via the partial
 -- unique index: the queued row is kept and its merged_at set); returns every input with the
 -- id of the row it inserted or merged into, and sends NOTIFY when something became visible
--- now.
+-- now. An event's row becomes visible after its delay, rounded up to the lookup window's
+-- boundary (:window_seconds, 0 = not rounded).
 WITH input AS (
     SELECT *
     FROM unnest(
@@ -35,9 +36,22 @@ inserted AS (
         (kind, key, tenant, priority, reason, payload, visible_at, max_attempts)
     SELECT i.kind, i.key, i.tenant, coalesce(t.priority, :middle_priority),
            i.reason, i.payload,
-           coalesce(CAST(:now AS timestamptz), now()) + make_interval(secs => i.delay_s),
+           -- the lookup window (ENRICHQ_LOOKUP_WINDOW_SECONDS, :window_seconds > 0): event
+           -- work becomes visible at the next multiple of the window since the epoch, in
+           -- cohorts the fleet claims together (one lookup for many tickets); manual and
+           -- redriven work is exempt (a person is waiting for it)
+           CASE WHEN CAST(:window_seconds AS float8) > 0
+                     AND i.reason NOT IN ('manual', 'redrive')
+                THEN to_timestamp(
+                         ceil(extract(epoch FROM v.at) / CAST(:window_seconds AS float8))
+                         * CAST(:window_seconds AS float8))
+                ELSE v.at END,
            i.max_attempts
     FROM firsts AS i
+    CROSS JOIN LATERAL (
+        SELECT coalesce(CAST(:now AS timestamptz), now()) + make_interval(secs => i.delay_s)
+            AS at
+    ) AS v
     LEFT JOIN enrichq.tenants AS t ON t.tenant = i.tenant
     ORDER BY i.key COLLATE "C", i.kind COLLATE "C", i.ord
     ON CONFLICT (kind, key) WHERE state = 'queued'

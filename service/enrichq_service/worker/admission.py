@@ -147,7 +147,10 @@ class Admission:
         if admitted.token is None:
             return
         try:
-            if admitted.unknown_cost and billed:
+            # every query's real cost (a known estimate may be below it: a rise), so the
+            # fleet's next admissions reserve what a query costs now
+            # (a query that billed nothing, one that failed say, teaches nothing)
+            if self._settings.daily_bytes_budget > 0 and billed > 0:
                 with self._engine.begin() as conn:
                     conn.execute(
                         SQL("admission_reserve"), {"token": admitted.token, "bytes": billed}
