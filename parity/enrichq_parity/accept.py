@@ -11,6 +11,7 @@ from datetime import date, datetime
 from pathlib import Path
 from typing import Any
 
+from enrichq_parity.errors import ParityError
 from enrichq_parity.model import (
     ACCEPTABLE,
     SHADOW_FAULTS,
@@ -18,7 +19,6 @@ from enrichq_parity.model import (
     AcceptRule,
     TicketClass,
 )
-from enrichq_schema.errors import EnrichqError
 
 MAX_RULES = 1000
 MAX_TICKETS_PER_RULE = 100_000
@@ -32,7 +32,7 @@ _RULE_HEADER = re.compile(r"^\s*\[\[\s*(rule|\"rule\"|'rule')\s*\]\]")
 _TOML_POSITION = re.compile(r"\s*\(at line (\d+), column \d+\)$")
 
 
-class AcceptFileError(EnrichqError):
+class AcceptFileError(ParityError):
     """The accept file is not valid."""
 
 

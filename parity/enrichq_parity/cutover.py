@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
+from enrichq_parity.errors import ParityError
 from enrichq_parity.model import (
     Approval,
     Coverage,
@@ -25,7 +26,6 @@ from enrichq_parity.model import (
     plural,
 )
 from enrichq_parity.review import Refused, ReviewInputError, approvals_of, check_name, say_failure
-from enrichq_schema.errors import EnrichqError
 from enrichq_schema.identifiers import qualified, relation_exists, render
 from enrichq_schema.process import Exit
 from enrichq_schema.queries import Queries, load
@@ -47,7 +47,7 @@ TENANT_MAX_LENGTH = 200
 LOCK_NOT_AVAILABLE = "55P03"
 
 
-class CutoverError(EnrichqError):
+class CutoverError(ParityError):
     """Cutover cannot run on this database."""
 
 

@@ -24,6 +24,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
+from enrichq_parity.errors import ParityError
 from enrichq_parity.model import (
     DIFFERING,
     RULE_SAMPLE_LIMIT,
@@ -45,7 +46,6 @@ from enrichq_parity.model import (
     total,
 )
 from enrichq_schema import runlog
-from enrichq_schema.errors import EnrichqError
 from enrichq_schema.identifiers import qualified, relation_exists, render
 from enrichq_schema.process import process_id
 from enrichq_schema.queries import Queries, load
@@ -85,7 +85,7 @@ ProgressCallback = Callable[[int, int], None]
 """Called after each day with (days done, days in the window)."""
 
 
-class ParityInputError(EnrichqError):
+class ParityInputError(ParityError):
     """Parity cannot run on this input."""
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
+from enrichq_parity.errors import ParityError
 from enrichq_parity.model import (
     Approval,
     ParityReport,
@@ -35,11 +36,11 @@ if TYPE_CHECKING:
 RUNS_LIMIT_DEFAULT = 20
 
 
-class ReviewInputError(EnrichqError):
+class ReviewInputError(ParityError):
     """The review command's input is wrong (an unknown run, a bad name)."""
 
 
-class Refused(EnrichqError):
+class Refused(ParityError):
     """A review or cutover command refused (exit 1); its other errors are bad input (exit 2)."""
 
 

@@ -19,7 +19,7 @@ import sqlalchemy as sa
 
 from enrichq_schema.errors import SettingsError
 from enrichq_schema.settings import Settings
-from enrichq_service.errors import Deferral, PermanentError, TransientError
+from enrichq_service.errors import Deferral, PermanentError, ServiceError, TransientError
 
 LABEL_APP = "enrichq"
 # a bound value as the dialect's compiler writes it (pyformat), and as BigQuery names it
@@ -58,7 +58,7 @@ class Ran:
     bytes_billed: int
 
 
-class JobFailed(Exception):
+class JobFailed(ServiceError):
     """A query job that failed, with what it billed and what its error comes to."""
 
     def __init__(self, error: BaseException, job_id: str | None, bytes_billed: int, *, data: bool):

@@ -25,7 +25,7 @@ from enrichq_schema.process import PluginError, load_callable
 from enrichq_schema.queries import load
 from enrichq_schema.settings import BUILTIN_BATCH_ENRICHER, Settings
 from enrichq_schema.text import error_line
-from enrichq_service.errors import PermanentError, TransientError
+from enrichq_service.errors import PermanentError, ServiceError, TransientError
 
 SQL = load("enrichq_service", "sql/enrich.sql")
 ID_MAX_LENGTH = 1000  # order, customer and warehouse job ids
@@ -460,7 +460,7 @@ class _BatchLookup:
             self.outcomes[ticket.id] = tuple(found.get(email.lower(), [])) if email else ()
 
 
-class QueryFailed(Exception):
+class QueryFailed(ServiceError):
     """A warehouse query failed: the error its tickets get, and what it billed. `data`:
     the warehouse could not read a value (a query of fewer tickets may succeed)."""
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from enrichq_schema.process import Exit
+from enrichq_service.errors import ServiceError
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-class CommandError(Exception):
+class CommandError(ServiceError):
     """A command refused or failed: its one line for the operator, and its exit code."""
 
     def __init__(self, message: str, code: int = Exit.USAGE) -> None:

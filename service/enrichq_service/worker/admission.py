@@ -19,7 +19,7 @@ import sqlalchemy.exc as sa_exc
 from enrichq_schema import metrics
 from enrichq_schema.settings import Settings
 from enrichq_service.enrich import SQL, error_text
-from enrichq_service.errors import Deferral
+from enrichq_service.errors import Deferral, ServiceError
 from enrichq_service.worker.db import Backoff, is_unavailable
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class Refused(Deferral):
         self.reason = reason
 
 
-class Withdrawn(Exception):
+class Withdrawn(ServiceError):
     """Every job of the lookup was let go (deferred or lost) while it waited: nothing to
     admit any more."""
 

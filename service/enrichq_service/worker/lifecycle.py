@@ -14,6 +14,7 @@ from enum import StrEnum
 from uuid import UUID
 
 from enrichq_service.enrich import Ticket
+from enrichq_service.errors import ServiceError
 from enrichq_service.queue import Job
 
 
@@ -40,7 +41,7 @@ class Event(StrEnum):
     LOSE = "lose"  # the heartbeat did not extend its lease
 
 
-class IllegalTransition(Exception):
+class IllegalTransition(ServiceError):
     """An event that cannot happen in a phase: a bug in the runtime, never a race."""
 
 
