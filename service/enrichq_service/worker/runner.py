@@ -61,7 +61,7 @@ class _Running:
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome:
+class JobEnrichment:
     """What one job's enrichment came to, before its settlement is built: its result or
     error, and its share of the warehouse job (also when its result was refused)."""
 
@@ -231,11 +231,11 @@ class Runner:
 
     def _enrich(
         self, ready: list[Held], admitted: Admitted, deadline: float, cancelled: threading.Event
-    ) -> tuple[list[Outcome], dict[int, Lookup]]:
+    ) -> tuple[list[JobEnrichment], dict[int, Lookup]]:
         """Run the enricher for the ready jobs; their outcomes and lookup records."""
         began = time.monotonic()
         billed = 0
-        outcomes: list[Outcome] = []
+        outcomes: list[JobEnrichment] = []
         try:
             suspects: list[Held] = []
             rest: list[Held] = []
@@ -256,7 +256,7 @@ class Runner:
 
     def _outcomes(
         self, held: list[Held], deadline: float, cancelled: threading.Event, *, isolated: bool
-    ) -> list[Outcome]:
+    ) -> list[JobEnrichment]:
         """Enrich `held` in this process, or `isolated` in child processes (`isolate`)."""
         context = EnrichContext(
             self._settings,
@@ -272,7 +272,7 @@ class Runner:
             try:
                 values = enrich_in_child(context, tickets)
             except Exception as exc:  # no child could be started (out of processes, say)
-                return [Outcome(h, exc) for h in held]
+                return [JobEnrichment(h, exc) for h in held]
         else:
             values = enrich_all(self._enricher, tickets, context)
             if _aborted_batch(values) and not cancelled.is_set():
@@ -300,17 +300,17 @@ def _aborted_batch(values: Mapping[str, object]) -> bool:
     return any(isinstance(v, PluginAborted) and v.shared for v in values.values())
 
 
-def _checked(held: Held, value: object) -> Outcome:
+def _checked(held: Held, value: object) -> JobEnrichment:
     """One job's outcome from what the plug-in gave for it: an exception as it is, a result
     validated where it enters (an invalid one fails this job alone, still charged)."""
     if isinstance(value, BaseException):
         # a failed warehouse job still billed: the built-in lookup records each share on it
-        return Outcome(held, value, *charge_of(value, held.job.key))
+        return JobEnrichment(held, value, *charge_of(value, held.job.key))
     try:
         checked = validate(value)
     except PermanentError as exc:
-        return Outcome(held, exc, *charge_of(value))
-    return Outcome(held, checked, checked.job_id, checked.bytes_billed)
+        return JobEnrichment(held, exc, *charge_of(value))
+    return JobEnrichment(held, checked, checked.job_id, checked.bytes_billed)
 
 
 def _precheck(held: Held) -> BaseException | None:
@@ -339,7 +339,7 @@ def _settlement_for(held: Held, value: object, lookup: Lookup | None) -> Settlem
     return Settlement(held, SettleAction.RETRY, error=error, lookup=lookup)
 
 
-def _lookup(outcome: Outcome, duration_ms: float, began: float, admitted: Admitted) -> Lookup:
+def _lookup(outcome: JobEnrichment, duration_ms: float, began: float, admitted: Admitted) -> Lookup:
     """The lookup-log record of one job's part of a lookup: its share of the warehouse job,
     whatever became of its result."""
     held, value = outcome.held, outcome.value
