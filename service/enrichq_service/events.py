@@ -27,7 +27,7 @@ class Delivery:
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome:
+class DeliveryResult:
     """What became of one delivered event.
 
     `duplicate`: its id was seen within the window, nothing was enqueued, and `id` is the
@@ -61,7 +61,7 @@ def enqueue(
     *,
     settings: Settings,
     now: datetime | None = None,
-) -> list[Outcome]:
+) -> list[DeliveryResult]:
     """Enqueue every delivery that is not a redelivery, in the caller's transaction."""
     ids = sorted({d.event_id for d in deliveries if d.event_id is not None})
     fresh: set[str] = set()
@@ -76,13 +76,13 @@ def enqueue(
     wanted = [d for d, is_dup in zip(deliveries, dup, strict=True) if not is_dup]
     results = iter(queue.enqueue(conn, [d.request for d in wanted], settings=settings, now=now))
     went_into: dict[str, int | None] = {}
-    outcomes: list[Outcome | None] = []
+    outcomes: list[DeliveryResult | None] = []
     for delivery, is_dup in zip(deliveries, dup, strict=True):
         if is_dup:
             outcomes.append(None)  # filled in below, once the first deliveries are known
             continue
         result = next(results)
-        outcomes.append(Outcome(result.key, result.id, result.inserted))
+        outcomes.append(DeliveryResult(result.key, result.id, result.inserted))
         if delivery.event_id is not None:
             went_into[delivery.event_id] = result.id
     if went_into:
@@ -101,6 +101,6 @@ def enqueue(
     return [
         o
         if o is not None
-        else Outcome(d.request.key, went_into.get(d.event_id or ""), False, duplicate=True)
+        else DeliveryResult(d.request.key, went_into.get(d.event_id or ""), False, duplicate=True)
         for o, d in zip(outcomes, deliveries, strict=True)
     ]

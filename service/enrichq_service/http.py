@@ -380,7 +380,7 @@ async def _read_capped(request: Request, limit: int) -> bytes | None:
 
 def _enqueue(
     engine: sa.Engine, settings: Settings, deliveries: list[ingest.Delivery]
-) -> list[ingest.Outcome] | Rejection:
+) -> list[ingest.DeliveryResult] | Rejection:
     """Enqueue every delivery that is not a redelivery, in one transaction."""
     try:
         with engine.begin() as conn:
@@ -397,7 +397,7 @@ def _enqueue(
 
 async def _enqueue_within(
     engine: sa.Engine, settings: Settings, deliveries: list[ingest.Delivery]
-) -> list[ingest.Outcome] | Rejection:
+) -> list[ingest.DeliveryResult] | Rejection:
     """`_enqueue`, answered within ENRICHQ_INGEST_DATABASE_TIMEOUT_SECONDS: a database that
     accepts connections and never answers makes a 503 with Retry-After, not a help desk's
     timeout. The abandoned attempt goes on in its thread until the connection's own
@@ -413,7 +413,9 @@ async def _enqueue_within(
     return Rejection(503, "unavailable", "database did not answer in time; retry later")
 
 
-def _accepted(events_ticket_ids: Sequence[str], results: list[ingest.Outcome]) -> JSONResponse:
+def _accepted(
+    events_ticket_ids: Sequence[str], results: list[ingest.DeliveryResult]
+) -> JSONResponse:
     inserted = sum(r.inserted for r in results)
     duplicates = sum(r.duplicate for r in results)
     metrics.events_total.labels("accepted").inc(len(results) - duplicates)
