@@ -63,7 +63,7 @@ class RunResult:
     error: str | None = None
 
 
-class Tally:
+class RunCounts:
     """The run's counts, added to by several threads."""
 
     def __init__(self) -> None:
@@ -87,7 +87,7 @@ class Summary:
     """The one-line account of a worker's work since the last one: rows claimed and their
     outcomes (from the run's tally), lookups and bytes billed (from the process's counters)."""
 
-    def __init__(self, tally: Tally, *, every: float = SUMMARY_SECONDS) -> None:
+    def __init__(self, tally: RunCounts, *, every: float = SUMMARY_SECONDS) -> None:
         self._tally = tally
         self._every = every
         self._last_at = time.monotonic()
@@ -162,7 +162,7 @@ class Worker:
         self._wake = threading.Event()
         # set by a signal or by the embedding process; setting it wakes the claim loop
         self.stop: threading.Event = _WakingEvent(self._wake)
-        self._tally = Tally()
+        self._tally = RunCounts()
         self._fatal: str | None = None
         self._budget_refused = threading.Event()
         self._claim_conn = ThreadConnection(claims or engine)
