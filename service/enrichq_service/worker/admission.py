@@ -38,7 +38,7 @@ WAIT_REFUSALS = {
 }
 
 
-class Refused(Deferral):
+class AdmissionRefused(Deferral):
     """The lookup was not admitted: the jobs are deferred, their attempts given back."""
 
     def __init__(self, until: datetime, reason: str, message: str) -> None:
@@ -90,7 +90,7 @@ class Admission:
             return bool(self._live)
 
     def admit(self, cancelled: threading.Event) -> Admitted:
-        """Admit one lookup, waiting up to SLOT_WAIT_SECONDS for a slot (Refused otherwise)
+        """Admit one lookup, waiting up to SLOT_WAIT_SECONDS for a slot (AdmissionRefused otherwise)
         and out the database's unavailability; Withdrawn once `cancelled` is set."""
         if not self.needed:
             return NOT_NEEDED
@@ -101,7 +101,9 @@ class Admission:
             if row.refused == "budget":
                 metrics.warehouse_deferrals_total.labels("budget").inc()
                 metrics.budget_exhausted.set(1)
-                raise Refused(row.resets_at, "budget", "daily warehouse bytes budget spent")
+                raise AdmissionRefused(
+                    row.resets_at, "budget", "daily warehouse bytes budget spent"
+                )
             reason = "cap"
             if row.refused is None:
                 metrics.budget_exhausted.set(0)
@@ -119,7 +121,7 @@ class Admission:
             if time.monotonic() >= give_up:
                 metrics.warehouse_deferrals_total.labels(reason).inc()
                 until = row.now + timedelta(seconds=SLOT_DEFER_SECONDS)
-                raise Refused(until, reason, WAIT_REFUSALS[reason])
+                raise AdmissionRefused(until, reason, WAIT_REFUSALS[reason])
 
     def _take_retrying(
         self, cancelled: threading.Event

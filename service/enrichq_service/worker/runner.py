@@ -32,7 +32,13 @@ from enrichq_service.enrich import (
 from enrichq_service.errors import Deferral, PermanentError, TransientError
 from enrichq_service.isolate import enrich_in_child, is_suspect
 from enrichq_service.queue import SettleAction
-from enrichq_service.worker.admission import NOT_NEEDED, Admission, Admitted, Refused, Withdrawn
+from enrichq_service.worker.admission import (
+    NOT_NEEDED,
+    Admission,
+    AdmissionRefused,
+    Admitted,
+    Withdrawn,
+)
 from enrichq_service.worker.lifecycle import Held, Jobs
 from enrichq_service.worker.settler import Settlement
 
@@ -196,7 +202,7 @@ class Runner:
                 admitted = self._admission.admit(cancelled)
             except Withdrawn:
                 return
-            except Refused as exc:
+            except AdmissionRefused as exc:
                 if exc.reason == "budget":
                     self._on_budget_refused()
                 for held in ready:
