@@ -25,7 +25,13 @@ from enrichq_parity.model import (
     pct,
     plural,
 )
-from enrichq_parity.review import Refused, ReviewInputError, approvals_of, check_name, say_failure
+from enrichq_parity.review import (
+    ParityRefused,
+    ReviewInputError,
+    approvals_of,
+    check_name,
+    say_failure,
+)
 from enrichq_schema.identifiers import qualified, relation_exists, render
 from enrichq_schema.process import Exit
 from enrichq_schema.queries import Queries, load
@@ -51,7 +57,7 @@ class CutoverError(ParityError):
     """Cutover cannot run on this database."""
 
 
-class CutoverRefused(Refused):
+class CutoverRefused(ParityRefused):
     """The cutover is refused (the parity gate, or a step that does not apply)."""
 
 

@@ -40,11 +40,11 @@ class ReviewInputError(ParityError):
     """The review command's input is wrong (an unknown run, a bad name)."""
 
 
-class Refused(ParityError):
+class ParityRefused(ParityError):
     """A review or cutover command refused (exit 1); its other errors are bad input (exit 2)."""
 
 
-class ApprovalRefused(Refused):
+class ApprovalRefused(ParityRefused):
     """This run cannot be approved."""
 
 
@@ -270,7 +270,7 @@ def load_report(conn: sa.Connection, run_id: int) -> tuple[ParityReport, tuple[A
 
 def say_failure(command: str, exc: EnrichqError) -> int:
     """Say in one line why `command` changed nothing; its exit code (1 refused, 2 bad input)."""
-    if isinstance(exc, Refused):
+    if isinstance(exc, ParityRefused):
         say(f"{command} refused: {exc}")
         return Exit.FAILED
     say(f"{command}: {exc}")
