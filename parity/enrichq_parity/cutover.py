@@ -69,7 +69,7 @@ class Action(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
+class CutoverStep:
     """One step: the state it leads to, and the tenants it moves (None: every tenant)."""
 
     target: ViewState
@@ -98,7 +98,7 @@ class ViewMode(StrEnum):
     SHADOW = "shadow"
 
 
-def plan(current: ViewState, action: Action, tenants: Sequence[str] | None) -> Plan | None:
+def plan(current: ViewState, action: Action, tenants: Sequence[str] | None) -> CutoverStep | None:
     """The step that `action` on `tenants` (None: every tenant) takes from `current`.
 
     None: nothing to do (already there). CutoverRefused: a tenant cannot move back from a
@@ -108,7 +108,7 @@ def plan(current: ViewState, action: Action, tenants: Sequence[str] | None) -> P
         target = ViewMode.SHADOW if action is Action.CUTOVER else ViewMode.LEGACY
         if current.mode is target and not current.tenants:
             return None
-        return Plan(ViewState(target), None)
+        return CutoverStep(ViewState(target), None)
     asked = frozenset(tenants)
     if action is Action.CUTOVER:
         if current.mode is ViewMode.SHADOW:
@@ -116,7 +116,7 @@ def plan(current: ViewState, action: Action, tenants: Sequence[str] | None) -> P
         moved = tuple(sorted(asked - current.tenants))
         if not moved:
             return None
-        return Plan(ViewState(ViewMode.STAGED, current.tenants | asked), moved)
+        return CutoverStep(ViewState(ViewMode.STAGED, current.tenants | asked), moved)
     if current.mode is ViewMode.SHADOW:
         raise CutoverRefused(
             f"every tenant reads {SHADOW_TABLE} (a whole cutover): roll every tenant back with "
@@ -126,7 +126,7 @@ def plan(current: ViewState, action: Action, tenants: Sequence[str] | None) -> P
     if not moved:
         return None
     remaining = current.tenants - asked
-    return Plan(
+    return CutoverStep(
         ViewState(ViewMode.STAGED, remaining) if remaining else ViewState(ViewMode.LEGACY), moved
     )
 
@@ -506,7 +506,7 @@ def _apply(
     conn: sa.Connection,
     settings: Settings,
     current: ViewState,
-    step: Plan,
+    step: CutoverStep,
     events: Sequence[int],
 ) -> None:
     """Change the staged set and, if the mode changes, the view (same transaction)."""
@@ -569,7 +569,7 @@ def _unchanged(action: Action, tenants: Sequence[str] | None) -> str:
 
 def _moved(
     action: Action,
-    step: Plan,
+    step: CutoverStep,
     *,
     settings: Settings,
     run: GateRun | None,
