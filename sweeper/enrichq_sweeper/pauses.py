@@ -25,14 +25,14 @@ class PauseError(SweeperError):
 
 
 @dataclass(frozen=True, slots=True)
-class Scope:
+class PauseScope:
     """What a pause covers: a kind and a tenant, None for every one."""
 
     kind: str | None = None
     tenant: str | None = None
 
     @classmethod
-    def build(cls, *, kind: str | None, tenant: str | None) -> Scope:
+    def build(cls, *, kind: str | None, tenant: str | None) -> PauseScope:
         """A validated scope; PauseError naming the option otherwise."""
         if kind is not None and kind not in {k.value for k in Kind}:
             known = ", ".join(k.value for k in Kind)
@@ -54,7 +54,7 @@ class Scope:
 class Pause:
     """A pause in place."""
 
-    scope: Scope
+    scope: PauseScope
     reason: str | None
     paused_by: str
     paused_at: datetime
@@ -63,7 +63,7 @@ class Pause:
     @classmethod
     def of(cls, row: sa.Row[Any]) -> Pause:
         return cls(
-            Scope(row.kind, row.tenant),
+            PauseScope(row.kind, row.tenant),
             row.reason,
             row.paused_by,
             row.paused_at,
@@ -89,7 +89,7 @@ def check_reason(reason: str | None) -> str | None:
 
 def pause(
     conn: sa.Connection,
-    scope: Scope,
+    scope: PauseScope,
     *,
     actor: str,
     reason: str | None = None,
@@ -123,7 +123,7 @@ def pause(
 
 def resume(
     conn: sa.Connection,
-    scope: Scope | None,
+    scope: PauseScope | None,
     *,
     actor: str,
     now: datetime | None = None,
@@ -157,7 +157,7 @@ def resume(
     return resumed
 
 
-def seen(conn: sa.Connection, scope: Scope) -> bool:
+def seen(conn: sa.Connection, scope: PauseScope) -> bool:
     """Whether work of `scope` was ever seen (a tenant with a plan, claims counted for it,
     open rows): a pause of a scope never seen may stop nothing at all (a misspelt tenant)."""
     kinds = [scope.kind] if scope.kind is not None else [k.value for k in Kind]
