@@ -34,7 +34,7 @@ def _queries() -> Queries:
 
 
 @dataclass(frozen=True, slots=True)
-class Scope:
+class BackfillScope:
     """Which tickets a backfill walks: a tenant ('' = none; None: every tenant, and the
     tickets the mirror lacks) and those created since a time (None: ever)."""
 
@@ -46,7 +46,7 @@ class Scope:
 class BackfillResult:
     """What a backfill did (dry run: would do)."""
 
-    scope: Scope
+    scope: BackfillScope
     dry_run: bool
     scanned: int
     never_enriched: int
@@ -78,7 +78,7 @@ def _statements(conn: sa.Connection, settings: Settings) -> dict[str, sa.TextCla
     }
 
 
-def count(engine: sa.Engine, settings: Settings, scope: Scope) -> int:
+def count(engine: sa.Engine, settings: Settings, scope: BackfillScope) -> int:
     """How many tickets the backfill of `scope` walks (for a progress bar)."""
     with engine.connect() as conn:
         statements = _statements(conn, settings)
@@ -92,7 +92,7 @@ def count(engine: sa.Engine, settings: Settings, scope: Scope) -> int:
 def run(
     engine: sa.Engine,
     settings: Settings,
-    scope: Scope,
+    scope: BackfillScope,
     *,
     actor: str,
     dry_run: bool = False,
