@@ -814,7 +814,7 @@ def run_cli(
     1 refused, 2 bad input."""
     import json
 
-    from enrichq_schema.connections import create_engine
+    from enrichq_schema.connections import engine_from_settings
 
     action = Action.ROLLBACK if rollback else Action.CUTOVER
     try:
@@ -823,7 +823,7 @@ def run_cli(
         excluded = check_tenants(exclude)
     except ReviewInputError as exc:
         return say_failure("cutover", exc)
-    engine = create_engine(
+    engine = engine_from_settings(
         settings,
         url,
         application_name="enrichq-cutover",

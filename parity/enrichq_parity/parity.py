@@ -659,16 +659,16 @@ def export_latest(conn: sa.Connection) -> None:
 def engines(settings: Settings, url: str) -> tuple[sa.Engine, sa.Engine]:
     """(read, write): the engine parity reads through (ENRICHQ_PARITY_DATABASE_URL, a
     replica, or the database) and the one it records its run on (the database)."""
-    from enrichq_schema.connections import create_engine
+    from enrichq_schema.connections import engine_from_settings
 
-    read = create_engine(
+    read = engine_from_settings(
         settings,
         settings.parity_database_url or url,
         application_name="enrichq-parity",
         pool_size=settings.parity_concurrency,
         statement_timeout_seconds=settings.statement_timeout_seconds,
     )
-    write = create_engine(
+    write = engine_from_settings(
         settings,
         url,
         application_name="enrichq-parity",

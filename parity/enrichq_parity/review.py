@@ -282,9 +282,9 @@ def _printable(text: str) -> bool:
 
 
 def _engine(settings: Settings, url: str) -> sa.Engine:
-    from enrichq_schema.connections import create_engine
+    from enrichq_schema.connections import engine_from_settings
 
-    return create_engine(
+    return engine_from_settings(
         settings,
         url,
         application_name="enrichq-parity",

@@ -26,7 +26,7 @@ def engine_options(settings: Settings) -> dict[str, Any]:
     }
 
 
-def create_engine(settings: Settings, url: str, **options: Any) -> sa.Engine:
+def engine_from_settings(settings: Settings, url: str, **options: Any) -> sa.Engine:
     """An engine of the queue database (or of parity's replica) as the settings say."""
     return db.create_engine(url, **engine_options(settings), **options)
 

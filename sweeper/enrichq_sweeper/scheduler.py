@@ -145,7 +145,7 @@ def run_sweeper(
     """Run the sweeper until SIGTERM/SIGINT (or each task once with `once`); the exit code.
 
     With ENRICHQ_PARITY_INTERVAL_HOURS set, the leader also runs `scheduled_parity`."""
-    from enrichq_schema.connections import create_engine, preflight
+    from enrichq_schema.connections import engine_from_settings, preflight
 
     try:
         hook = load_hook(settings.gave_up_hook)
@@ -156,7 +156,7 @@ def run_sweeper(
     # exit 2, before anything else
     preflight(settings, url, mirror=True)
     owner = process_id()
-    engine = create_engine(
+    engine = engine_from_settings(
         settings,
         url,
         application_name="enrichq-sweeper",

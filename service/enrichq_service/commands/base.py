@@ -106,12 +106,12 @@ class Context:
     ) -> Iterator[sa.Engine]:
         """The one engine of a command (one connection), disposed of at the end; queries
         bounded by ENRICHQ_STATEMENT_TIMEOUT_SECONDS unless `statement_timeout` is False."""
-        from enrichq_schema.connections import create_engine
+        from enrichq_schema.connections import engine_from_settings
 
         settings = self.settings
         timeout = {"statement_timeout_seconds": settings.statement_timeout_seconds}
         with self.database() as url:
-            engine = create_engine(
+            engine = engine_from_settings(
                 settings,
                 url,
                 application_name=application_name,
