@@ -32,7 +32,7 @@ def _statement(tickets_table: str, dialect: sa.Dialect) -> sa.TextClause:
 
 
 @dataclass(frozen=True, slots=True)
-class Page:
+class RefreshPage:
     """What one page of the schedule did, and where the next one starts."""
 
     inserted: int
@@ -47,7 +47,7 @@ def enqueue_page(
     after: tuple[datetime, str] = START,
     batch_size: int = DEFAULT_BATCH_SIZE,
     now: datetime | None = None,
-) -> Page:
+) -> RefreshPage:
     """Enqueue the refresh rows due among the next `batch_size` recently updated tickets
     after the cursor `after`, and wake the workers; the caller commits."""
     row = conn.execute(
@@ -67,7 +67,7 @@ def enqueue_page(
     if row.inserted:
         conn.execute(sql()("queue_notify"), {"kind": Kind.REFRESH.value, "channel": NOTIFY_CHANNEL})
     last = None if row.scanned < batch_size else (row.last_updated_at, row.last_id)
-    return Page(int(row.inserted), int(row.scanned), last)
+    return RefreshPage(int(row.inserted), int(row.scanned), last)
 
 
 def run_once(
