@@ -354,7 +354,7 @@ async def _zendesk(request: Request, settings: Settings, engine: sa.Engine) -> R
     )
     if isinstance(event, Rejection):
         return _refuse(event)
-    if isinstance(event, zendesk.Ignored):
+    if isinstance(event, zendesk.NotATicketEvent):
         metrics.events_total.labels("ignored").inc()
         return JSONResponse({"ignored": event.zendesk_type}, status_code=200)
     delivery = zendesk.to_delivery(event)

@@ -46,7 +46,7 @@ class TicketEvent:
 
 
 @dataclass(frozen=True, slots=True)
-class Ignored:
+class NotATicketEvent:
     """A verified event that enqueues nothing (not a ticket event)."""
 
     zendesk_type: str
@@ -116,7 +116,7 @@ def parse(
     tenant_field: ZendeskTenantField,
     invocation_id: str | None,
     sent_at: datetime,
-) -> TicketEvent | Ignored | Rejection:
+) -> TicketEvent | NotATicketEvent | Rejection:
     """What a verified body says: a ticket event, an ignored event, or why it is invalid
     (422). `sent_at` (the signature's time) stands in for a trigger body's missing time."""
     try:
@@ -155,12 +155,12 @@ def to_delivery(event: TicketEvent) -> ingest.Delivery | Rejection:
 
 def _subscription_event(
     data: Mapping[str, Any], tenant_field: ZendeskTenantField, fallback_id: str | None
-) -> TicketEvent | Ignored | Rejection:
+) -> TicketEvent | NotATicketEvent | Rejection:
     kind: str = data["type"]
     if not kind.startswith(TICKET_EVENT_PREFIX):
         if (bad := unsafe_character(kind)) is not None or len(kind) > KEY_MAX_LENGTH:
             return _invalid(f"type: not an event type ({bad or 'too long'})")
-        return Ignored(kind)
+        return NotATicketEvent(kind)
     detail = data.get("detail")
     if not isinstance(detail, dict):
         return _invalid("detail: expected the ticket (an object)")
