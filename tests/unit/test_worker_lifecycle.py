@@ -120,7 +120,7 @@ def test_a_batch_is_interrupted_only_when_every_job_of_it_is_cancelled() -> None
     a, b = held(1), held(2)
     jobs.add([a, b])
     jobs.start([a, b])
-    fired = threading.JobEvent()
+    fired = threading.Event()
     with jobs.interruptible([a, b], fired.set):
         jobs.lose([a])
         assert not fired.is_set()

@@ -112,7 +112,7 @@ class Held:
     lease_confirmed_at: float | None = None
     phase: Phase = Phase.CLAIMED
     handed_at: float | None = None  # when its settlement went to the settler
-    cancelled: threading.JobEvent = field(default_factory=threading.JobEvent)
+    cancelled: threading.Event = field(default_factory=threading.Event)
     # called (once) when the job is abandoned or lost: interrupts a running lookup
     _cancellers: list[Callable[[], None]] = field(default_factory=list)
 
@@ -259,7 +259,7 @@ class Jobs:
         """While the block runs, `cancel` is called (once) as soon as every job of `held` is
         cancelled (abandoned or lost): a batch whose one ticket lost its lease still runs
         for the others."""
-        fired = threading.JobEvent()
+        fired = threading.Event()
 
         def maybe() -> None:
             if not fired.is_set() and all(h.cancelled.is_set() for h in held):
