@@ -18,6 +18,16 @@ SELECT (
       AND (CAST(:since AS timestamptz) IS NULL OR l.looked_up_at >= CAST(:since AS timestamptz))
 ) AS tickets
 
+-- fragment: enqueue_due
+-- Where a page's backfill rows come from: its due tickets (none on a dry run), inserted
+-- in the global lock order, each at most once.
+    FROM due AS d
+    CROSS JOIN clock
+    WHERE NOT CAST(:dry_run AS boolean)
+    ORDER BY d.key COLLATE "C"
+    ON CONFLICT DO NOTHING
+    RETURNING q.id
+
 -- name: backfill_mirror_page
 -- One page of the mirror's tickets (tenant :tenant, NULL: every one; created at or after
 -- :since, NULL: all), the :page_size after the id :after in id order. Enqueues a backfill
@@ -55,12 +65,7 @@ inserted AS (
         (kind, key, tenant, priority, reason, state, visible_at, attempts, max_attempts)
     SELECT 'backfill', d.key, nullif(d.tenant, ''), :priority, 'manual', 'queued', clock.now, 0,
            :max_attempts
-    FROM due AS d
-    CROSS JOIN clock
-    WHERE NOT CAST(:dry_run AS boolean)
-    ORDER BY d.key COLLATE "C"
-    ON CONFLICT DO NOTHING
-    RETURNING q.id
+    {{enqueue_due}}
 )
 SELECT (SELECT count(*) FROM page) AS scanned,
        (SELECT count(*) FROM page) AS walked,
@@ -106,12 +111,7 @@ inserted AS (
     INSERT INTO enrichq.queue AS q
         (kind, key, tenant, priority, reason, state, visible_at, attempts, max_attempts)
     SELECT 'backfill', d.key, NULL, :priority, 'manual', 'queued', clock.now, 0, :max_attempts
-    FROM due AS d
-    CROSS JOIN clock
-    WHERE NOT CAST(:dry_run AS boolean)
-    ORDER BY d.key COLLATE "C"
-    ON CONFLICT DO NOTHING
-    RETURNING q.id
+    {{enqueue_due}}
 )
 SELECT (SELECT count(*) FROM page) AS scanned,
        (SELECT count(*) FROM ids) AS walked,

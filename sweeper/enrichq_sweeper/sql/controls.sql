@@ -31,6 +31,17 @@ AND (CAST(:older_than_seconds AS float8) IS NULL
                         - make_interval(secs => CAST(:older_than_seconds AS float8)))
 
 
+-- fragment: page_ids_and_cursor
+-- The one row a page of open rows returns (from its `page` CTE, numbered n in its index's
+-- order): their ids in that order, how many, and the last one's (kind, key), the cursor.
+last AS (
+    SELECT p.kind, p.key FROM page AS p ORDER BY p.n DESC LIMIT 1
+)
+SELECT coalesce((SELECT array_agg(p.id ORDER BY p.n) FROM page AS p), '{}') AS ids,
+       (SELECT count(*) FROM page) AS n,
+       (SELECT kind FROM last) AS last_kind, (SELECT key FROM last) AS last_key
+
+
 -- name: controls_page_queued
 -- The next :page_size queued rows matching the filter after the cursor (:after_kind,
 -- :after_key; NULL: from the start), in the order of the queued-key index, which the page
@@ -48,12 +59,7 @@ WITH page AS (
     ORDER BY q.kind, q.key
     LIMIT :page_size
 ),
-last AS (
-    SELECT p.kind, p.key FROM page AS p ORDER BY p.n DESC LIMIT 1
-)
-SELECT coalesce((SELECT array_agg(p.id ORDER BY p.n) FROM page AS p), '{}') AS ids,
-       (SELECT count(*) FROM page) AS n,
-       (SELECT kind FROM last) AS last_kind, (SELECT key FROM last) AS last_key;
+{{page_ids_and_cursor}}
 
 
 -- name: controls_page_leased
@@ -70,12 +76,7 @@ WITH page AS (
     ORDER BY q.key
     LIMIT :page_size
 ),
-last AS (
-    SELECT p.kind, p.key FROM page AS p ORDER BY p.n DESC LIMIT 1
-)
-SELECT coalesce((SELECT array_agg(p.id ORDER BY p.n) FROM page AS p), '{}') AS ids,
-       (SELECT count(*) FROM page) AS n,
-       (SELECT kind FROM last) AS last_kind, (SELECT key FROM last) AS last_key;
+{{page_ids_and_cursor}}
 
 
 -- name: controls_page_dead
