@@ -414,7 +414,7 @@ async def _zendesk_body(
     )
     if isinstance(event, Rejection):
         return _refuse(event)
-    if isinstance(event, zendesk.Ignored):
+    if isinstance(event, zendesk.NotATicketEvent):
         metrics.events_total.labels("ignored").inc()
         return JSONResponse({"ignored": event.zendesk_type}, status_code=200)
     delivery = zendesk.to_delivery(event)
@@ -428,7 +428,7 @@ async def _zendesk_body(
 
 def _enqueue(
     engine: sa.Engine, settings: Settings, deliveries: list[ingest.Delivery]
-) -> list[ingest.Outcome] | Rejection:
+) -> list[ingest.DeliveryResult] | Rejection:
     """Enqueue every delivery that is not a redelivery, in one transaction."""
     try:
         with engine.begin() as conn:
@@ -445,7 +445,7 @@ def _enqueue(
 
 async def _enqueue_within(
     engine: sa.Engine, settings: Settings, deliveries: list[ingest.Delivery]
-) -> list[ingest.Outcome] | Rejection:
+) -> list[ingest.DeliveryResult] | Rejection:
     """`_enqueue`, answered within ENRICHQ_INGEST_DATABASE_TIMEOUT_SECONDS: a database that
     accepts connections and never answers makes a 503 with Retry-After, not a help desk's
     timeout. The abandoned attempt goes on in its thread until the connection's own
@@ -461,7 +461,9 @@ async def _enqueue_within(
     return Rejection(503, "unavailable", "database did not answer in time; retry later")
 
 
-def _accepted(events_ticket_ids: Sequence[str], results: list[ingest.Outcome]) -> JSONResponse:
+def _accepted(
+    events_ticket_ids: Sequence[str], results: list[ingest.DeliveryResult]
+) -> JSONResponse:
     inserted = sum(r.inserted for r in results)
     duplicates = sum(r.duplicate for r in results)
     metrics.events_total.labels("accepted").inc(len(results) - duplicates)

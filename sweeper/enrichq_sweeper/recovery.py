@@ -1,13 +1,5 @@
-"""Lease recovery: expired leases back to the queue, or to the dead letters (DESIGN §3, sweep).
-
-A pass walks the expired leases by an id cursor, one transaction per page. The scan reads a
-page; the write (one statement) locks the page's rows that are still expired leases, in
-the global lock order, and decides per row: a spent row is dead-lettered
-(`attempts_exhausted`) and handed to the gave-up hook; a row whose key has a queued row
-of its kind is dead-lettered as superseded by it; any other goes back to the queue,
-visible now. A key holds one lease at most (`queue_leased_key_uq`), so no two expired
-rows of a key ever compete for the queue.
-"""
+"""Lease recovery: expired leases back to the queue, or to the dead letters, a page per
+transaction."""
 
 from __future__ import annotations
 
