@@ -155,8 +155,6 @@ def recover_batch(
     ordered = sorted(page, key=lock_order)
     params = {
         "ids": [e.id for e in ordered],
-        "kinds": sorted({e.kind for e in page}),
-        "keys": sorted({e.key for e in page}),
         "lease_expired": LEASE_EXPIRED_ERROR,
         "channel": NOTIFY_CHANNEL,
         "now": now,

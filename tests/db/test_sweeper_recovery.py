@@ -369,8 +369,6 @@ def test_the_batch_write_reaches_rows_by_id_and_the_queued_key_index(
             sa.text("EXPLAIN (FORMAT JSON) " + sweeper_sql()["recovery_recover_batch"].sql),
             {
                 "ids": [1, 2],
-                "kinds": ["enrich"],
-                "keys": ["K-1", "K-2"],
                 "lease_expired": "x",
                 "channel": NOTIFY_CHANNEL,
                 "now": T0,

@@ -109,13 +109,16 @@ seen AS MATERIALIZED (
     ) AS r
 ),
 -- the keys' queued rows (one per (kind, key) at most): one set of probes of the queued-key
--- index, both its columns bound; one queued after this statement's snapshot shows up as a
--- unique violation instead, and the caller runs the statement again
+-- index, both its columns bound by arrays built here from the page's rows (not sent by the
+-- caller: a thousand keys dumped as a text array cost the sweeper more CPU than the probes
+-- cost the server); one queued after this statement's snapshot shows up as a unique
+-- violation instead, and the caller runs the statement again
 queued AS (
     SELECT o.id, o.kind, o.key
     FROM enrichq.queue AS o
     WHERE o.state = 'queued'
-      AND o.kind = ANY(CAST(:kinds AS text[])) AND o.key = ANY(CAST(:keys AS text[]))
+      AND o.kind = ANY(ARRAY(SELECT DISTINCT s.kind FROM seen AS s))
+      AND o.key = ANY(ARRAY(SELECT s.key FROM seen AS s))
 ),
 decided AS MATERIALIZED (
     SELECT l.*, CASE WHEN NOT l.spent THEN o.id END AS queued_id
