@@ -80,6 +80,24 @@ ORDER BY q.id
 LIMIT :batch_size;
 
 
+-- name: recovery_scan_page
+-- The page `recovery_scan` reads, as one row: its ids in the global lock order of queue
+-- rows, (key, kind, id) in byte order (COLLATE "C" compares bytes, as `lock_order` does),
+-- its last id (the cursor) and its size; ids NULL and n 0 when there is none. What a pass
+-- needs of a page, without a row per lease to build and sort in the sweeper.
+SELECT array_agg(p.id ORDER BY p.key COLLATE "C", p.kind COLLATE "C", p.id) AS ids,
+       max(p.id) AS last_id, count(*) AS n
+FROM (
+    SELECT q.id, q.kind, q.key
+    FROM enrichq.queue AS q
+    WHERE q.state = 'leased'
+      AND q.lease_expires_at < coalesce(CAST(:now AS timestamptz), now())
+      AND q.id > :after_id
+    ORDER BY q.id
+    LIMIT :batch_size
+) AS p;
+
+
 -- name: recovery_recover_batch
 -- Recovers the page's rows (:ids, in (key, kind, id) byte order) that are still expired
 -- leases, in one statement, and
