@@ -2,66 +2,25 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
-import logging
-import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict, Unpack
+from typing import Any, TypedDict, Unpack
 
 import click
 
 from enrichq_schema.errors import SettingsError
 from enrichq_schema.process import Exit, fail, say
 from enrichq_schema.states import AuditCommand, DeadReason, Kind, Reason
-from enrichq_service.cli_support import ROW_ID
-
-if TYPE_CHECKING:
-    from enrichq_schema.settings import Settings
+from enrichq_service.commands import backfill as backfill_commands
+from enrichq_service.commands import controls as control_commands
+from enrichq_service.commands import migrate as migrate_commands
+from enrichq_service.commands import queue as queue_commands
+from enrichq_service.commands.base import CommandError, Context
+from enrichq_service.commands.options import ROW_ID
 
 # A file that `enrichq parity` writes (or, for --accept, reads).
 REPORT_FILE = click.Path(dir_okay=False, path_type=Path)
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-
-@dataclass
-class Context:
-    """What every command gets: the settings file path, read lazily."""
-
-    config_file: Path | None
-    _settings: Settings | None = None
-
-    @property
-    def settings(self) -> Settings:
-        if self._settings is None:
-            from enrichq_schema.settings import Settings, unknown_variables
-            from enrichq_schema.text import EscapingFormatter
-
-            self._settings = Settings.load(self.config_file)
-            # every record one line, arguments escaped: keys stored before ingest refused
-            # control characters must not forge log lines nor reach the terminal raw
-            handler = logging.StreamHandler()
-            handler.setFormatter(EscapingFormatter(LOG_FORMAT))
-            logging.basicConfig(level=self._settings.log_level, handlers=[handler])
-            # Alembic narrates every migration step at INFO; operators want the outcome.
-            logging.getLogger("alembic").setLevel(logging.WARNING)
-            logging.getLogger("httpx").setLevel(logging.WARNING)
-            for line in unknown_variables(os.environ):
-                logging.getLogger("enrichq_schema.settings").warning("%s", line)
-        return self._settings
-
-    @contextlib.contextmanager
-    def database(self) -> Iterator[str]:
-        """The database URL, starting the embedded PostgreSQL when none is configured."""
-        from enrichq_schema.db import database_url
-
-        with database_url(self.settings.database_url) as url:
-            yield url
-
-
 pass_context = click.make_pass_decorator(Context)
 
 
@@ -94,68 +53,13 @@ def cli(ctx: click.Context, config_file: Path | None) -> None:
     help="With --check: keep checking (every 2 s) until head, for up to SECONDS.",
 )
 @pass_context
-def migrate(ctx: Context, check: bool, wait: float | None) -> None:
+def migrate(ctx: Context, check: bool, wait: float | None) -> int:
     """Create or upgrade enrichq's tables (a no-op when already at the newest revision).
 
     With --check, only say whether the schema is at head: the gate of a worker's or a
     sweeper's init container, so they start after the migration of their release.
     """
-    if wait is not None and not check:
-        fail("migrate: --wait goes with --check")
-    ctx.settings  # noqa: B018 -- a bad setting stops the command before any connection
-    from enrichq_schema.db import migrate as run_migrations
-    from enrichq_schema.db import redact
-    from enrichq_schema.errors import MigrationLocked
-
-    with ctx.database() as url:
-        if check:
-            sys.exit(_check_schema(ctx.settings, url, wait))
-        try:
-            run_migrations(url)
-        except MigrationLocked as exc:
-            say(f"migrate: {exc}")
-            sys.exit(Exit.FAILED)
-        click.echo(f"migrated {redact(url)} to head")
-
-
-SCHEMA_CHECK_SECONDS = 2.0
-
-
-def _check_schema(settings: Settings, url: str, wait: float | None) -> int:
-    """`migrate --check [--wait S]`: 0 at head, 1 while behind (or unreachable at the end)."""
-    import time
-
-    import sqlalchemy.exc as sa_exc
-
-    from enrichq_schema.connections import create_engine
-    from enrichq_schema.db import current_revision, head_revision
-    from enrichq_schema.errors import describe_database_error
-
-    deadline = time.monotonic() + (wait or 0.0)
-    head = head_revision()
-    engine = create_engine(settings, url, application_name="enrichq-migrate-check", pool_size=1)
-    try:
-        while True:
-            try:
-                with engine.connect() as conn:
-                    current = current_revision(conn)
-                problem = (
-                    None
-                    if current == head
-                    else f"the schema is at revision {current or 'none'}, not {head} "
-                    "(run `enrichq migrate`)"
-                )
-            except sa_exc.DBAPIError as exc:
-                problem = describe_database_error(exc) or str(exc).splitlines()[0]
-            if problem is None:
-                click.echo(f"the schema is at head ({head})")
-                return Exit.OK
-            if time.monotonic() + SCHEMA_CHECK_SECONDS > deadline:
-                say(f"migrate --check: {problem}")
-                return Exit.FAILED
-            time.sleep(SCHEMA_CHECK_SECONDS)
-    finally:
-        engine.dispose()
+    return migrate_commands.migrate(ctx, check=check, wait=wait)
 
 
 @cli.command()
@@ -172,48 +76,17 @@ def _check_schema(settings: Settings, url: str, wait: float | None) -> int:
     "--kind", type=click.Choice(["enrich", "refresh"]), default="enrich", show_default=True
 )
 @pass_context
-def enqueue(
-    ctx: Context, keys: tuple[str, ...], reason: str, tenant: str | None, kind: str
-) -> None:
+def enqueue(ctx: Context, keys: tuple[str, ...], reason: str, tenant: str | None, kind: str) -> int:
     """Enqueue tickets KEYS for enrichment; a ticket already queued is merged."""
-    from enrichq_schema.connections import create_engine
-    from enrichq_service import queue
-    from enrichq_service.queue import EnqueueRequest, QueueInputError
-
-    settings = ctx.settings
-    try:
-        requests = [
-            EnqueueRequest.build(key=k, kind=kind, reason=reason, tenant=tenant) for k in keys
-        ]
-    except QueueInputError as exc:
-        fail(str(exc))
-    with ctx.database() as url:
-        engine = create_engine(settings, url, pool_size=1)
-        with engine.begin() as conn:
-            results = queue.enqueue(conn, requests, settings=settings)
-        engine.dispose()
-    for result in results:
-        click.echo(f"{result.key}\t{'inserted' if result.inserted else 'merged'}\t{result.id}")
+    return queue_commands.enqueue(ctx, keys=keys, reason=reason, tenant=tenant, kind=kind)
 
 
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 @pass_context
-def status(ctx: Context, as_json: bool) -> None:
+def status(ctx: Context, as_json: bool) -> int:
     """Queue counts by state and kind, oldest visible age, live leases, dead letters."""
-    settings = ctx.settings  # a bad setting stops the command before any import or connection
-    from enrichq_schema.connections import create_engine
-    from enrichq_service.status import collect, render
-
-    with ctx.database() as url:
-        engine = create_engine(settings, url, pool_size=1)
-        with engine.connect() as conn:
-            report = collect(conn)
-        engine.dispose()
-    if as_json:
-        click.echo(json.dumps(report.as_dict(), indent=2, default=str))
-    else:
-        render(report)
+    return queue_commands.status(ctx, as_json=as_json)
 
 
 @cli.command()
@@ -230,17 +103,9 @@ def status(ctx: Context, as_json: bool) -> None:
     help="Before `enrichq migrate` has run: exit 2 instead of waiting for the schema.",
 )
 @pass_context
-def worker(ctx: Context, drain: bool, time_budget: float | None, no_wait: bool) -> None:
+def worker(ctx: Context, drain: bool, time_budget: float | None, no_wait: bool) -> int:
     """Claim and enrich tickets until stopped (SIGTERM/SIGINT finish in-flight work)."""
-    from enrichq_service.worker import run_worker
-
-    settings = ctx.settings
-    with ctx.database() as url:
-        sys.exit(
-            run_worker(
-                settings, url, drain=drain, time_budget=time_budget, wait_for_schema=not no_wait
-            )
-        )
+    return queue_commands.worker(ctx, drain=drain, time_budget=time_budget, no_wait=no_wait)
 
 
 @cli.command()
@@ -250,13 +115,9 @@ def worker(ctx: Context, drain: bool, time_budget: float | None, no_wait: bool) 
     help="Before `enrichq migrate` has run: exit 2 instead of waiting for the schema.",
 )
 @pass_context
-def serve(ctx: Context, no_wait: bool) -> None:
+def serve(ctx: Context, no_wait: bool) -> int:
     """HTTP ingest (POST /v1/events), health, /metrics and a worker in one process."""
-    from enrichq_service.serve import run_serve
-
-    settings = ctx.settings
-    with ctx.database() as url:
-        sys.exit(run_serve(settings, url, wait_for_schema=not no_wait))
+    return queue_commands.serve(ctx, no_wait=no_wait)
 
 
 @cli.command()
@@ -267,26 +128,9 @@ def serve(ctx: Context, no_wait: bool) -> None:
     help="Before `enrichq migrate` has run: exit 2 instead of waiting for the schema.",
 )
 @pass_context
-def sweep(ctx: Context, once: bool, no_wait: bool) -> None:
+def sweep(ctx: Context, once: bool, no_wait: bool) -> int:
     """Recover expired leases, dead-letter spent rows, prune old rows, enqueue refreshes."""
-    from enrichq_sweeper.scheduler import ScheduledTask, run_sweeper
-
-    settings = ctx.settings
-    scheduled_parity: ScheduledTask | None = None
-    if settings.parity_interval_hours > 0:
-        from enrichq_parity.parity import run_scheduled  # only when parity is scheduled
-
-        scheduled_parity = run_scheduled
-    with ctx.database() as url:
-        sys.exit(
-            run_sweeper(
-                settings,
-                url,
-                once=once,
-                scheduled_parity=scheduled_parity,
-                wait_for_schema=not no_wait,
-            )
-        )
+    return queue_commands.sweep(ctx, once=once, no_wait=no_wait)
 
 
 @cli.group()
@@ -299,13 +143,9 @@ def dlq() -> None:
 @click.option("--limit", type=click.IntRange(min=1, max=10_000), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON lines.")
 @pass_context
-def dlq_list(ctx: Context, reason: str | None, limit: int, as_json: bool) -> None:
+def dlq_list(ctx: Context, reason: str | None, limit: int, as_json: bool) -> int:
     """List dead letters, newest first."""
-    from enrichq_sweeper.dlq import list_cli
-
-    settings = ctx.settings
-    with ctx.database() as url:
-        list_cli(settings, url, reason=reason, limit=limit, as_json=as_json)
+    return control_commands.dlq_list(ctx, reason=reason, limit=limit, as_json=as_json)
 
 
 # -- operator controls: one filter language for cancel, dlq discard and dlq redrive
@@ -321,13 +161,13 @@ the action is recorded in the audit log (`enrichq audit`).
 
 ACTOR_OPTION = click.option("--actor", default=None, help="Who does this (default: the OS user).")
 JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-Decorator = Callable[[Callable[..., None]], Callable[..., None]]
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
 def stacked(options: Sequence[Decorator]) -> Decorator:
     """One decorator applying `options` as if stacked in that order above a command."""
 
-    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
         for option in reversed(options):
             command = option(command)
         return command
@@ -369,91 +209,38 @@ dead_letter_filter = filter_options(
 )
 
 
-def _control(
-    ctx: Context,
-    command: str,
-    options: dict[str, Any],
-) -> None:
-    """Parse the filter (bad input: one line, exit 2, before any connection), then act:
-    `--all` asks for confirmation on a terminal (cancel, discard; --yes skips it), and a run
-    of more than one batch shows its progress on stderr."""
-    from enrichq_schema.audit import AuditInputError, check_actor, default_actor
-    from enrichq_schema.states import AuditCommand
-    from enrichq_service.cli_support import Progress, confirm_every_row, unpadded
-    from enrichq_sweeper.common import DEFAULT_BATCH_SIZE
-    from enrichq_sweeper.controls import SCOPE_OF, ActionResult, run_cli
-    from enrichq_sweeper.errors import FilterError
-    from enrichq_sweeper.filters import Filter
-
-    action = AuditCommand(command)
-    # what is not how to act (--actor, --dry-run, --json, --yes) is the filter's criteria
-    criteria = dict(options)
-    actor, dry_run, as_json = (criteria.pop(name) for name in ("actor", "dry_run", "as_json"))
-    yes = bool(criteria.pop("yes", False))
-    unpadded(command, "--tenant", criteria["tenant"])
-    try:
-        flt = Filter.build(SCOPE_OF[action], **criteria)
-        actor = check_actor(actor or default_actor())
-    except (FilterError, AuditInputError) as exc:
-        fail(f"{command}: {exc}")
-    ask = confirm_every_row(command, yes=yes) if flt.all_rows and "yes" in options else None
-    progress = Progress(command, batch_size=DEFAULT_BATCH_SIZE)
-
-    def before(would: ActionResult) -> bool:
-        if ask is not None and not ask(would):
-            return False
-        progress.start(would)
-        return True
-
-    settings = ctx.settings
-    with ctx.database() as url:
-        run_cli(
-            settings,
-            url,
-            action,
-            flt,
-            actor=actor,
-            dry_run=dry_run,
-            as_json=as_json,
-            batch_size=DEFAULT_BATCH_SIZE,
-            confirm=before,
-            on_batch=progress.batch,
-            on_end=progress.stop,
-        )
-
-
 @dlq.command("redrive", epilog=FILTER_HELP)
 @dead_letter_filter
 @pass_context
-def dlq_redrive(ctx: Context, /, **options: Any) -> None:
+def dlq_redrive(ctx: Context, /, **options: Any) -> int:
     """Put dead letters matching FILTER back in the queue with fresh attempts.
 
     Per ticket the newest matching dead letter is queued again (visible now, reason
     redrive); the others stay dead, merged into it or into the ticket's queued row.
     """
-    _control(ctx, "dlq redrive", options)
+    return control_commands.act(ctx, "dlq redrive", options)
 
 
 @dlq.command("discard", epilog=FILTER_HELP)
 @dead_letter_filter
 @YES_OPTION
 @pass_context
-def dlq_discard(ctx: Context, /, **options: Any) -> None:
+def dlq_discard(ctx: Context, /, **options: Any) -> int:
     """Delete dead letters matching FILTER (for good: there is no undo)."""
-    _control(ctx, "dlq discard", options)
+    return control_commands.act(ctx, "dlq discard", options)
 
 
 @cli.command(epilog=FILTER_HELP)
 @open_row_filter
 @YES_OPTION
 @pass_context
-def cancel(ctx: Context, /, **options: Any) -> None:
+def cancel(ctx: Context, /, **options: Any) -> int:
     """Cancel queued and leased rows matching FILTER: they become dead letters (cancelled).
 
     A cancelled row that a worker holds is fenced: the worker's heartbeat and result are
     refused, so nothing it computes is written. Redrive brings cancelled rows back.
     """
-    _control(ctx, "cancel", options)
+    return control_commands.act(ctx, "cancel", options)
 
 
 PAUSE_HELP = """
@@ -461,26 +248,6 @@ A pause stops claims, not ingest: events still enqueue and merge, and leases alr
 finish normally. Running workers obey it at their next claim (within
 ENRICHQ_POLL_SECONDS), with no restart. `enrichq status` lists the pauses in place.
 """
-
-
-def _pause_scope(command: str, kind: str | None, tenant: str | None) -> Any:
-    from enrichq_service.cli_support import unpadded
-    from enrichq_sweeper.pauses import PauseError, Scope
-
-    unpadded(command, "--tenant", tenant)
-    try:
-        return Scope.build(kind=kind, tenant=tenant)
-    except PauseError as exc:
-        fail(f"{command}: {exc}; nothing changed")
-
-
-def _actor(command: str, actor: str | None) -> str:
-    from enrichq_schema.audit import AuditInputError, check_actor, default_actor
-
-    try:
-        return check_actor(actor or default_actor())
-    except AuditInputError as exc:
-        fail(f"{command}: {exc}; nothing changed")
 
 
 class ScopeOptions(TypedDict):
@@ -512,21 +279,9 @@ def scope_options(whose: str, *own: Decorator) -> Decorator:
     click.option("--reason", default=None, help="Why (shown by status and the audit log)."),
 )
 @pass_context
-def pause(ctx: Context, /, *, reason: str | None, **scope: Unpack[ScopeOptions]) -> None:
+def pause(ctx: Context, /, *, reason: str | None, **scope: Unpack[ScopeOptions]) -> int:
     """Stop workers claiming work of a kind, a tenant, both, or (neither given) all work."""
-    from enrichq_sweeper.pauses import PauseError, check_reason, pause_cli
-
-    paused = _pause_scope("pause", scope["kind"], scope["tenant"])
-    who = _actor("pause", scope["actor"])
-    try:
-        reason = check_reason(reason)
-    except PauseError as exc:
-        fail(f"pause: {exc}; nothing changed")
-    settings = ctx.settings
-    with ctx.database() as url:
-        sys.exit(
-            pause_cli(settings, url, paused, actor=who, reason=reason, as_json=scope["as_json"])
-        )
+    return control_commands.pause(ctx, reason=reason, **scope)
 
 
 @cli.command(epilog=PAUSE_HELP)
@@ -535,18 +290,9 @@ def pause(ctx: Context, /, *, reason: str | None, **scope: Unpack[ScopeOptions])
     click.option("--all", "all_pauses", is_flag=True, help="Every pause in place (alone)."),
 )
 @pass_context
-def resume(ctx: Context, /, *, all_pauses: bool, **scope: Unpack[ScopeOptions]) -> None:
+def resume(ctx: Context, /, *, all_pauses: bool, **scope: Unpack[ScopeOptions]) -> int:
     """Resume the pause of exactly this scope (as it was paused), or --all of them."""
-    from enrichq_sweeper.pauses import resume_cli
-
-    kind, tenant = scope["kind"], scope["tenant"]
-    if all_pauses and (kind is not None or tenant is not None):
-        fail("resume: --all stands alone (no --kind or --tenant); nothing changed")
-    paused = None if all_pauses else _pause_scope("resume", kind, tenant)
-    who = _actor("resume", scope["actor"])
-    settings = ctx.settings
-    with ctx.database() as url:
-        sys.exit(resume_cli(settings, url, paused, actor=who, as_json=scope["as_json"]))
+    return control_commands.resume(ctx, all_pauses=all_pauses, **scope)
 
 
 @cli.command()
@@ -554,13 +300,9 @@ def resume(ctx: Context, /, *, all_pauses: bool, **scope: Unpack[ScopeOptions]) 
 @click.option("--command", "command", type=click.Choice([c.value for c in AuditCommand]))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON lines.")
 @pass_context
-def audit(ctx: Context, limit: int, command: str | None, as_json: bool) -> None:
+def audit(ctx: Context, limit: int, command: str | None, as_json: bool) -> int:
     """Operator actions (cancel, dlq discard/redrive, pause, resume), newest first."""
-    from enrichq_service.audit import list_cli
-
-    settings = ctx.settings
-    with ctx.database() as url:
-        list_cli(settings, url, limit=limit, command=command, as_json=as_json)
+    return control_commands.audit(ctx, limit=limit, command=command, as_json=as_json)
 
 
 def _parse_day(value: str | None, name: str) -> Any:
@@ -758,7 +500,7 @@ def backfill(
     dry_run: bool,
     page_size: int,
     actor: str | None,
-) -> None:
+) -> int:
     """Enqueue every ticket consumers can read that enrichq never enriched (before cutover).
 
     Walks the help desk's mirror (and, with no --tenant, the tickets with legacy rows the
@@ -766,25 +508,9 @@ def backfill(
     gets a `backfill` row, served after all other work, within the bytes budget and the
     warehouse cap. Audited; `enrichq status` shows the backfill rows by state.
     """
-    settings = ctx.settings
-    since_at = _parse_day(since, "--since")
-    if tenant is not None and (len(tenant) > 200 or not tenant.isprintable()):
-        fail(f"backfill: --tenant {tenant!r}: expected at most 200 printable characters")
-    who = _actor("backfill", actor)
-    from enrichq_service.backfill_command import run_backfill
-
-    with ctx.database() as url:
-        sys.exit(
-            run_backfill(
-                settings,
-                url,
-                tenant=tenant,
-                since=since_at,
-                dry_run=dry_run,
-                page_size=page_size,
-                actor=who,
-            )
-        )
+    return backfill_commands.backfill(
+        ctx, tenant=tenant, since=since, dry_run=dry_run, page_size=page_size, actor=actor
+    )
 
 
 @cli.command()
@@ -808,7 +534,10 @@ def demo(ctx: Context, keep_running: bool, tickets: int) -> None:
 
 def _run(entry: click.Command, args: list[str] | None) -> int:
     try:
-        entry.main(args=args, prog_name="enrichq", standalone_mode=False)
+        code = entry.main(args=args, prog_name="enrichq", standalone_mode=False)
+    except CommandError as exc:
+        say(str(exc))
+        return exc.code
     except click.exceptions.NoArgsIsHelpError as exc:
         if exc.ctx is None or exc.ctx.parent is None:
             click.echo(exc.ctx.get_help() if exc.ctx else str(exc))  # bare `enrichq`
@@ -835,8 +564,8 @@ def _run(entry: click.Command, args: list[str] | None) -> int:
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else Exit.FAILED
     except KeyboardInterrupt:
-        return 130
-    return Exit.OK
+        return Exit.INTERRUPTED
+    return code if isinstance(code, int) else Exit.OK
 
 
 def undecodable_argument(args: list[str]) -> str | None:

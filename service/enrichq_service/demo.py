@@ -102,6 +102,8 @@ def run_demo(  # noqa: PLR0915 -- the demo is one story, told in order
             "database_url": demo_url,
             "delay_created_seconds": 1.0,
             "delay_updated_seconds": 1.0,
+            # cohorts a second apart: batched lookups, and a demo that ends in seconds
+            "lookup_window_seconds": 1.0,
             "lease_seconds": 10.0,
             "heartbeat_seconds": 2.0,
             "poll_seconds": 0.5,
@@ -273,11 +275,12 @@ _READ_LEGACY = sa.text(
 
 def _backfill(demo: Settings, demo_url: str, engine: sa.Engine, console: Any) -> None:
     """Step 1b of docs/cutover.md: backfill, then wait for the worker to drain it."""
-    from enrichq_service.backfill_command import run_backfill
+    from enrichq_service.commands import backfill
+    from enrichq_service.commands.base import Context
 
     console.rule("backfill: tickets from before the shadow run")
-    run_backfill(
-        demo, demo_url, tenant=None, since=None, dry_run=False, page_size=1000,
+    backfill.run(
+        Context.given(demo, demo_url), tenant=None, since=None, dry_run=False, page_size=1000,
         actor=DEMO_REVIEWER,
     )  # fmt: skip
     deadline = time.monotonic() + 300

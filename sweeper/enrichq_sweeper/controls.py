@@ -28,10 +28,9 @@ how many merged), with a sample, and records and changes nothing.
 
 from __future__ import annotations
 
-import json
 from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -39,11 +38,8 @@ import sqlalchemy as sa
 import sqlalchemy.exc as sa_exc
 
 from enrichq_schema import audit
-from enrichq_schema.process import Exit, fail
 from enrichq_schema.queries import Queries, load
-from enrichq_schema.settings import Settings
 from enrichq_schema.states import NOTIFY_CHANNEL, AuditCommand
-from enrichq_schema.text import utc_time
 from enrichq_sweeper.common import (
     DEFAULT_BATCH_SIZE,
     STATEMENT_TIMEOUT_SECONDS_DEFAULT,
@@ -413,202 +409,3 @@ def _run_batch(
             totals[name] += n
         changed = sum(n for name, n in done.items() if name in CHANGED)
         audit.add_rows(conn, audit_id, changed, detail={"matched": len(selection.ids), **totals})
-
-
-# -- the CLI's entry point (enrichq cancel / dlq discard / dlq redrive)
-
-
-def run_cli(
-    settings: Settings,
-    url: str,
-    command: AuditCommand,
-    flt: Filter,
-    *,
-    actor: str,
-    dry_run: bool,
-    as_json: bool = False,
-    batch_size: int = DEFAULT_BATCH_SIZE,
-    confirm: Callable[[ActionResult], bool] | None = None,
-    on_batch: Callable[[int, Mapping[str, int]], None] | None = None,
-    on_end: Callable[[], None] | None = None,
-) -> None:
-    """Run an action from the command line and print what it did (or would do).
-
-    `confirm` and `on_batch` are `run`'s; `on_end` is told when the action ends, however it
-    ends, before anything is printed (a progress display stops there)."""
-    from enrichq_schema.connections import create_engine
-
-    engine = create_engine(settings, url, application_name=f"enrichq-{command.value}", pool_size=1)
-    try:
-        result = run(
-            engine,
-            command,
-            flt,
-            actor=actor,
-            dry_run=dry_run,
-            batch_size=batch_size,
-            statement_timeout_seconds=settings.statement_timeout_seconds,
-            confirm=confirm,
-            on_batch=on_batch,
-        )
-    except (FilterError, audit.AuditInputError) as exc:
-        _end(on_end)
-        fail(f"{command.value}: {exc}; nothing changed")
-    except ActionStopped as stopped:
-        _end(on_end)
-        fail(stopped_message(stopped, settings.statement_timeout_seconds), Exit.FAILED)
-    except KeyboardInterrupt:
-        _end(on_end)
-        fail(
-            f"{command.value}: interrupted; the batches committed so far stay done "
-            "(`enrichq audit` shows how many rows)",
-            Exit.INTERRUPTED,
-        )
-    finally:
-        _end(on_end)
-        engine.dispose()
-    if result.dry_run and not dry_run:
-        fail(f"{command.value}: not confirmed; nothing changed", Exit.FAILED)
-    if as_json:
-        print(json.dumps(result_json(result), default=str))
-    else:
-        print_result(result)
-
-
-def _end(on_end: Callable[[], None] | None) -> None:
-    if on_end is not None:
-        on_end()
-
-
-def stopped_message(stopped: ActionStopped, statement_timeout_seconds: float) -> str:
-    """One line: why an action stopped, and what it committed before (which stays done)."""
-    from enrichq_schema.errors import describe_database_error
-
-    done = stopped.done
-    if stopped.timed_out:
-        why = (
-            f"a statement ran past the statement timeout ({statement_timeout_seconds:g} s, "
-            "ENRICHQ_STATEMENT_TIMEOUT_SECONDS)"
-        )
-    else:
-        why = describe_database_error(stopped.cause) or str(stopped.cause).splitlines()[0]
-    if done.audit_id is None:
-        return f"{done.command.value}: stopped while selecting rows: {why}; nothing changed"
-    if done.batches == 0:
-        return (
-            f"{done.command.value}: stopped during its first batch: {why}; nothing changed "
-            f"(audit id {done.audit_id} records the attempt)"
-        )
-    return (
-        f"{done.command.value}: stopped during batch {done.batches + 1}: {why}; the batches "
-        f"before it committed and stay done: {done_counts(done)}; run it again for the rest"
-    )
-
-
-def result_json(result: ActionResult) -> dict[str, Any]:
-    """An action's result as one JSON object."""
-    return {
-        "command": result.command.value,
-        "dry_run": result.dry_run,
-        "filter": result.filter.as_json(),
-        "matched": result.matched,
-        "affected": result.affected,
-        "counts": dict(result.counts),
-        "states": dict(result.states),
-        "batches": result.batches,
-        "audit_id": result.audit_id,
-        "sample": [asdict(s) for s in result.sample],
-    }
-
-
-VERB = {
-    AuditCommand.CANCEL: ("cancel", "cancelled"),
-    AuditCommand.DLQ_DISCARD: ("discard", "discarded"),
-    AuditCommand.DLQ_REDRIVE: ("redrive", "redriven"),
-}
-
-
-def print_result(result: ActionResult) -> None:
-    """One summary line; a dry run adds the sample as a table."""
-    from enrichq_schema.text import printable
-
-    verb, _ = VERB[result.command]
-    what = "row" if result.filter.scope is Scope.OPEN else "dead letter"
-    one = result.matched == 1
-    states = ""
-    if result.states:
-        states = " (" + ", ".join(f"{n} {s}" for s, n in result.states.items()) + ")"
-    where = printable(result.filter.describe())
-    if result.dry_run:
-        if result.command is AuditCommand.DLQ_REDRIVE and result.counts["merged"]:
-            would = (
-                f"would redrive {result.counts['redriven']} and merge "
-                f"{result.counts['merged']} (left dead: their ticket has a newer match or a "
-                "queued row)"
-            )
-        else:
-            would = f"would {verb} {'it' if one else 'them'}"
-        print(
-            f"{result.matched} {what}{'' if one else 's'}{states} "
-            f"{'matches' if one else 'match'} {where}; {would} (dry run: nothing changed)"
-        )
-        _print_sample(result)
-        return
-    print(f"{result.matched} {what}{'' if one else 's'} matched {where}: {done_counts(result)}")
-
-
-def done_counts(result: ActionResult) -> str:
-    """What a run did, as the end of its summary line (or of the line saying it stopped)."""
-    _, done = VERB[result.command]
-    if result.command is AuditCommand.DLQ_REDRIVE:
-        counts = (
-            f"{result.counts['redriven']} redriven, {result.counts['merged']} merged "
-            "(left dead: their ticket has a newer match or a queued row)"
-        )
-    else:
-        counts = f"{result.affected} {done}"
-        if result.command is AuditCommand.CANCEL and result.affected:
-            counts += f" ({result.counts['queued']} queued, {result.counts['leased']} leased)"
-        if result.counts.get("kept"):
-            counts += (
-                f", {result.counts['kept']} kept (new work merged into "
-                f"{'it' if result.counts['kept'] == 1 else 'them'} after the cancel began)"
-            )
-    return (
-        f"{counts}; {result.batches} batch{'' if result.batches == 1 else 'es'}, "
-        f"audit id {result.audit_id}"
-    )
-
-
-def _print_sample(result: ActionResult) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    from enrichq_schema.text import shown
-
-    if not result.sample:
-        return
-    table = Table(title=f"first {len(result.sample)} of {result.matched} (in the order worked)")
-    open_scope = result.filter.scope is Scope.OPEN
-    columns = ["id", "kind", "key", "tenant", "state" if open_scope else "dead reason"]
-    columns += ["reason", "attempts", "created (UTC)" if open_scope else "dead since (UTC)"]
-    for column in columns:
-        # keys and tenants wrap instead of being cut: an operator must see all of them
-        table.add_column(
-            column,
-            justify="right" if column == "id" else "left",
-            overflow="fold" if column in {"key", "tenant"} else "ellipsis",
-        )
-    for r in result.sample:
-        when = r.created_at if open_scope else (r.finished_at or r.created_at)
-        table.add_row(
-            str(r.id),
-            shown(r.kind),
-            shown(r.key),
-            shown(r.tenant or ""),
-            r.state if open_scope else (r.dead_reason or ""),
-            r.reason,
-            f"{r.attempts}/{r.max_attempts}",
-            utc_time(when, seconds=True),
-        )
-    Console().print(table)

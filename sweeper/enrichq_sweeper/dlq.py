@@ -6,21 +6,16 @@ Discard and redrive are operator controls over a filter, with cancel: see
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
 import sqlalchemy as sa
 
-from enrichq_schema.process import fail
-from enrichq_schema.settings import Settings
 from enrichq_schema.states import DeadReason
-from enrichq_schema.text import print_json_lines
-from enrichq_sweeper.common import set_statement_timeout, sql
+from enrichq_sweeper.common import sql
 from enrichq_sweeper.errors import DlqInputError
 
 LIST_LIMIT_MAX = 10_000
-ERROR_COLUMN_WIDTH = 60
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,62 +58,6 @@ def list_dead(
     else:
         rows = conn.execute(sql()("dlq_list_by_reason"), {"limit": limit, "reason": reason}).all()
     return [DeadLetter(**r._asdict()) for r in rows]
-
-
-# -- the CLI's entry point (enrichq dlq list)
-
-
-def list_cli(
-    settings: Settings, url: str, *, reason: str | None, limit: int, as_json: bool
-) -> None:
-    """Print dead letters newest first: a table, or one JSON object per line."""
-    from enrichq_schema.connections import create_engine
-
-    engine = create_engine(settings, url, application_name="enrichq-dlq", pool_size=1)
-    try:
-        with engine.connect() as conn:
-            set_statement_timeout(conn, settings.statement_timeout_seconds)
-            rows = list_dead(conn, reason=reason, limit=limit)
-    except DlqInputError as exc:
-        fail(str(exc))
-    finally:
-        engine.dispose()
-    if as_json:
-        print_json_lines(rows)
-    else:
-        _print_table(rows)
-
-
-def _print_table(rows: Sequence[DeadLetter]) -> None:
-    from rich.console import Console
-
-    from enrichq_schema.text import newest_first, shown
-
-    table = newest_first("dead letters", len(rows), none="no dead letters")
-    if table is None:
-        return
-    for column in ("id", "kind", "key", "tenant", "dead reason", "by", "attempts", "finished"):
-        table.add_column(
-            column,
-            justify="right" if column in {"id", "by"} else "left",
-            overflow="fold" if column in {"key", "tenant"} else "ellipsis",
-        )
-    table.add_column("last error", overflow="ellipsis", max_width=ERROR_COLUMN_WIDTH)
-    for r in rows:
-        # keys and tenants stored before ingest refused control characters, and errors,
-        # are shown escaped: no terminal escape or markup reaches the screen
-        table.add_row(
-            str(r.id),
-            shown(r.kind),
-            shown(r.key),
-            shown(r.tenant or ""),
-            r.dead_reason,
-            _superseder(r),
-            f"{r.attempts}/{r.max_attempts}",
-            r.finished_at.isoformat(timespec="seconds"),
-            shown((r.last_error or "").splitlines()[0]) if r.last_error else "",
-        )
-    Console().print(table)
 
 
 def _superseder(row: DeadLetter) -> str:

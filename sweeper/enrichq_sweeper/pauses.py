@@ -13,8 +13,6 @@ Pausing and resuming are recorded in the audit log in the same transaction.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -23,10 +21,8 @@ import sqlalchemy as sa
 
 from enrichq_schema import audit
 from enrichq_schema.errors import EnrichqError
-from enrichq_schema.process import Exit, say
-from enrichq_schema.settings import Settings
 from enrichq_schema.states import NOTIFY_CHANNEL, AuditCommand, Kind
-from enrichq_schema.text import checked_text, printable, text_problem, utc_time
+from enrichq_schema.text import checked_text, printable, text_problem
 from enrichq_sweeper import common
 from enrichq_sweeper.controls import sql
 
@@ -182,74 +178,3 @@ def seen(conn: sa.Connection, scope: Scope) -> bool:
 def in_place(conn: sa.Connection, *, now: datetime | None = None) -> list[Pause]:
     """Every pause in place, oldest first."""
     return [Pause.of(r) for r in conn.execute(sql()("controls_pauses"), {"now": now})]
-
-
-# -- the CLI's entry points (enrichq pause / enrichq resume)
-
-
-def _listing(pauses: Sequence[Pause]) -> str:
-    return "; ".join(p.scope.describe() for p in pauses) or "nothing"
-
-
-def pause_cli(
-    settings: Settings, url: str, scope: Scope, *, actor: str, reason: str | None, as_json: bool
-) -> int:
-    """`enrichq pause`: pause, print what is paused now; the exit code."""
-    from enrichq_schema.connections import create_engine
-
-    engine = create_engine(settings, url, application_name="enrichq-pause", pool_size=1)
-    try:
-        with engine.begin() as conn:
-            done, created = pause(conn, scope, actor=actor, reason=reason)
-            known = scope == Scope() or seen(conn, scope)
-    finally:
-        engine.dispose()
-    if not known:
-        say(
-            f"pause: warning: no work of {scope.describe()} has ever been seen (no plan, no "
-            "claims, no open rows): the pause is in place but may stop nothing; check the "
-            "spelling (`enrichq status` lists the pauses)"
-        )
-    if as_json:
-        print(json.dumps({"paused": done.as_json(), "created": created, "seen": known}))
-    elif created:
-        print(
-            f"paused {done.scope.describe()}: no worker claims its work until resumed"
-            + ("" if known else " (none seen so far)")
-        )
-    else:
-        since = f"{utc_time(done.paused_at, seconds=True)} UTC"
-        print(f"{done.scope.describe()} was already paused (since {since} by {done.paused_by})")
-    return Exit.OK
-
-
-def resume_cli(
-    settings: Settings, url: str, scope: Scope | None, *, actor: str, as_json: bool
-) -> int:
-    """`enrichq resume`: resume one scope (or every pause); the exit code (1 when nothing
-    was paused at that scope: what is paused is printed, nothing changed)."""
-    from enrichq_schema.connections import create_engine
-
-    engine = create_engine(settings, url, application_name="enrichq-resume", pool_size=1)
-    try:
-        with engine.begin() as conn:
-            resumed = resume(conn, scope, actor=actor)
-            left = in_place(conn)
-    finally:
-        engine.dispose()
-    if as_json:
-        print(
-            json.dumps(
-                {
-                    "resumed": [p.as_json() for p in resumed],
-                    "still_paused": [p.as_json() for p in left],
-                }
-            )
-        )
-        return Exit.OK if resumed else Exit.FAILED
-    if not resumed:
-        asked = "any scope" if scope is None else scope.describe()
-        say(f"resume: nothing is paused at {asked}; paused: {_listing(left)}; nothing changed")
-        return Exit.FAILED
-    print(f"resumed {_listing(resumed)}" + (f"; still paused: {_listing(left)}" if left else ""))
-    return Exit.OK

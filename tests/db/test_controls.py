@@ -24,6 +24,8 @@ from enrichq_schema import audit
 from enrichq_schema.states import AuditCommand
 from enrichq_schema.tables import queue
 from enrichq_service import queue as q
+from enrichq_service.commands import controls as control_commands
+from enrichq_service.commands.base import CommandError, Context
 from enrichq_service.queue import EnqueueRequest, Job
 from enrichq_sweeper import controls
 from enrichq_sweeper.errors import FilterError
@@ -228,32 +230,6 @@ def test_discard_by_id_refuses_rows_that_are_not_dead_letters(conn: sa.Connectio
     assert get(conn, live).state == "queued"
 
 
-# -- each scope's filter is one text
-
-
-SCOPE_STATEMENTS = {
-    "open_filter": {"controls_page_queued", "controls_page_leased", "controls_cancel_batch"},
-    "dead_filter": {"controls_page_dead", "controls_discard_batch", "controls_redrive_batch"},
-}
-SELECTS = {"controls_page_queued", "controls_page_leased", "controls_page_dead"}
-
-
-def test_every_statement_of_a_scope_applies_that_scopes_filter() -> None:
-    queries = controls.sql()
-    criteria = set(Filter.build(Scope.OPEN, all_rows=True).params()) - {"ids"}
-    for fragment, names in SCOPE_STATEMENTS.items():
-        for name in names:
-            # the scope's filter and the criteria it shares with the other scope, nothing else
-            assert set(queries[name].fragments) == {fragment, "keys_tenant_kind"}, name
-            # every criterion is bound; the `--id` one by the selects only (see controls.sql)
-            binds = set(queries[name].text.compile().params)
-            assert binds >= criteria, name
-            assert ("ids" in binds) == (name in SELECTS), name
-    # and no other statement holds a filter
-    filtered = {name for name, query in queries.items() if query.fragments}
-    assert filtered == set().union(*SCOPE_STATEMENTS.values())
-
-
 # -- runs in batches, each its own transaction, audited
 
 
@@ -454,40 +430,6 @@ def test_the_cli_cancels_discards_and_lists_the_audit(
     assert "dlq discard" not in table
 
 
-@pytest.mark.parametrize(
-    "args",
-    [
-        ["cancel"],
-        ["cancel", "--all", "--tenant", "acme"],
-        ["cancel", "--reason", "superseded"],
-        ["cancel", "--older-than", "soon"],
-        ["cancel", "--kind", "teleport"],
-        ["cancel", "--all", "--actor", "bad\nactor"],
-        ["dlq", "discard"],
-        ["dlq", "discard", "--reason", "created"],
-        ["dlq", "redrive", "--older-than", "0d"],
-        ["cancel", "--id", "9223372036854775808"],
-        ["dlq", "discard", "--id", "99999999999999999999"],
-        ["cancel", "--tenant", "acme "],
-        ["dlq", "redrive", "--tenant", " acme"],
-        ["audit", "--limit", "0"],
-        ["audit", "--command", "explode"],
-    ],
-    ids=" ".join,
-)
-def test_bad_filters_are_one_line_and_exit_2_before_any_connection(
-    args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from enrichq_service.cli import main
-
-    # a database that cannot be reached: the refusal must come first
-    monkeypatch.setenv("ENRICHQ_DATABASE_URL", "postgresql://nobody@127.0.0.1:1/none")
-    assert main(args) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("enrichq: ")
-    assert err.count("\n") == 1
-
-
 def flat(out: str) -> str:
     """Printed text with the table's borders, spaces and wrapping taken out."""
     return re.sub(r"[\s│┃┏┓┗┛┡┩└┘━─┳┻╇┴┬]", "", out)
@@ -505,11 +447,12 @@ def test_keys_with_control_characters_are_shown_escaped(
         row(conn, evil, "dead_letter", tenant="t\u202eevil")
     settings = make_settings(db_url)
     flt = Filter.build(Scope.DEAD, keys=[evil])
-    controls.run_cli(settings, db_url, AuditCommand.DLQ_REDRIVE, flt, actor="ops", dry_run=True)
+    ctx = Context.given(settings, db_url)
+    control_commands.run_action(
+        ctx, AuditCommand.DLQ_REDRIVE, flt, actor="ops", dry_run=True, batch_size=1000
+    )
     out = capsys.readouterr().out
-    from enrichq_sweeper import dlq
-
-    dlq.list_cli(settings, db_url, reason=None, limit=10, as_json=False)
+    control_commands.dlq_list(ctx, reason=None, limit=10, as_json=False)
     table = capsys.readouterr().out
     for printed in (out, table):
         assert "\x1b" not in printed
@@ -560,10 +503,9 @@ def test_an_action_stopped_by_the_statement_timeout_says_so_and_what_committed(
     )
     settings = make_settings(db_url, statement_timeout_seconds=0.5)
     try:
-        with pytest.raises(SystemExit) as stopped:
-            controls.run_cli(
-                settings,
-                db_url,
+        with pytest.raises(CommandError) as stopped:
+            control_commands.run_action(
+                Context.given(settings, db_url),
                 AuditCommand.CANCEL,
                 Filter.build(Scope.OPEN, all_rows=True),
                 actor="ops",
@@ -574,13 +516,13 @@ def test_an_action_stopped_by_the_statement_timeout_says_so_and_what_committed(
         blocker_tx.rollback()
         blocker.close()
     assert stopped.value.code == 1
-    err = capsys.readouterr().err
+    err = str(stopped.value)
     [entry] = audit.recent(db_engine.connect(), limit=5)
     assert err == (
-        "enrichq: cancel: stopped during batch 2: a statement ran past the statement timeout"
+        "cancel: stopped during batch 2: a statement ran past the statement timeout"
         " (0.5 s, ENRICHQ_STATEMENT_TIMEOUT_SECONDS); the batches before it committed and stay"
         f" done: 1 cancelled (1 queued, 0 leased); 1 batch, audit id {entry.id}; run it again"
-        " for the rest\n"
+        " for the rest"
     )
     with db_engine.connect() as conn:
         assert [get(conn, i).state for i in ids] == ["dead_letter", "queued", "queued"]
@@ -628,13 +570,13 @@ def test_cancel_all_asks_on_a_terminal_unless_yes(
 ) -> None:
     import io
 
-    from enrichq_service import cli_support
     from enrichq_service.cli import main
+    from enrichq_service.commands import progress
 
     many_queued(db_engine, 3)
     monkeypatch.setenv("ENRICHQ_DATABASE_URL", db_url)
     monkeypatch.setattr("sys.stdin", io.StringIO(answer))
-    monkeypatch.setattr(cli_support, "is_terminal", lambda stream: stream is sys.stdin)
+    monkeypatch.setattr(progress, "is_terminal", lambda stream: stream is sys.stdin)
     assert main(args) == code
     err = capsys.readouterr().err
     assert ("cancel 3 rows (3 queued) matching --all? [y/N]" in err) == asked
@@ -651,14 +593,14 @@ def test_dlq_discard_all_asks_too(
 ) -> None:
     import io
 
-    from enrichq_service import cli_support
     from enrichq_service.cli import main
+    from enrichq_service.commands import progress
 
     with db_engine.begin() as conn:
         row(conn, "T-1", "dead_letter")
     monkeypatch.setenv("ENRICHQ_DATABASE_URL", db_url)
     monkeypatch.setattr("sys.stdin", io.StringIO("\n"))  # the default is no
-    monkeypatch.setattr(cli_support, "is_terminal", lambda stream: stream is sys.stdin)
+    monkeypatch.setattr(progress, "is_terminal", lambda stream: stream is sys.stdin)
     assert main(["dlq", "discard", "--all"]) == 1
     assert "dlq discard 1 dead letter matching --all? [y/N]" in capsys.readouterr().err
     assert seen_from_outside(db_engine, "SELECT count(*) FROM enrichq.queue")[0][0] == 1

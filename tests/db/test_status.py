@@ -10,8 +10,9 @@ import sqlalchemy as sa
 from tests.support.settings import make_settings
 
 from enrichq_service import queue
+from enrichq_service.commands.queue import _upcoming
 from enrichq_service.queue import EnqueueRequest
-from enrichq_service.status import _upcoming, collect
+from enrichq_service.status import collect
 
 
 def test_status_counts_by_kind_and_state(db_url: str, db_engine: sa.Engine) -> None:

@@ -18,6 +18,8 @@ from tests.support.settings import make_settings
 
 from enrichq_schema.states import AuditCommand
 from enrichq_schema.tables import queue
+from enrichq_service.commands import controls as control_commands
+from enrichq_service.commands.base import CommandError, Context
 from enrichq_sweeper import controls, dlq
 from enrichq_sweeper.common import sql as sweeper_sql
 from enrichq_sweeper.errors import DlqInputError, FilterError
@@ -109,13 +111,15 @@ def test_list_cli_prints_json_lines_and_a_table(
         a = dead(conn, "T-1")
         b = dead(conn, "T-2", "superseded", superseded_by=a)
     settings = make_settings(db_url)
-    dlq.list_cli(settings, db_url, reason=None, limit=10, as_json=True)
+    control_commands.dlq_list(Context.given(settings, db_url), reason=None, limit=10, as_json=True)
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(r["id"], r["dead_reason"], r["superseded_by"]) for r in lines] == [
         (b, "superseded", a),
         (a, "attempts_exhausted", None),
     ]
-    dlq.list_cli(settings, db_url, reason="superseded", limit=10, as_json=False)
+    control_commands.dlq_list(
+        Context.given(settings, db_url), reason="superseded", limit=10, as_json=False
+    )
     table = capsys.readouterr().out
     assert "T-2" in table
     assert "T-1" not in table
@@ -136,12 +140,12 @@ def test_a_superseder_that_retention_pruned_is_shown_as_pruned(
         orphan = dead(conn, "T-2", "superseded", superseded_by=gone)
         conn.execute(sa.delete(queue).where(queue.c.id == gone))  # what retention does
     settings = make_settings(db_url)
-    dlq.list_cli(settings, db_url, reason=None, limit=10, as_json=True)
+    control_commands.dlq_list(Context.given(settings, db_url), reason=None, limit=10, as_json=True)
     lines = {r["id"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
     assert (lines[alive]["superseded_by"], lines[alive]["superseded_by_state"]) == (kept, "queued")
     assert (lines[orphan]["superseded_by"], lines[orphan]["superseded_by_state"]) == (gone, None)
     monkeypatch.setenv("COLUMNS", "200")  # a terminal wide enough for every column
-    dlq.list_cli(settings, db_url, reason=None, limit=10, as_json=False)
+    control_commands.dlq_list(Context.given(settings, db_url), reason=None, limit=10, as_json=False)
     table = capsys.readouterr().out
     assert f"{gone} (pruned)" in table
     assert f"{kept} (queued)" in table
@@ -150,12 +154,13 @@ def test_a_superseder_that_retention_pruned_is_shown_as_pruned(
 def test_list_cli_bad_reason_is_a_one_line_error(
     db_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        dlq.list_cli(make_settings(db_url), db_url, reason="tired", limit=10, as_json=True)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("enrichq: unknown dead reason")
-    assert err.count("\n") == 1
+    ctx = Context.given(make_settings(db_url), db_url)
+    with pytest.raises(CommandError) as refused:
+        control_commands.dlq_list(ctx, reason="tired", limit=10, as_json=True)
+    assert refused.value.code == 2
+    assert str(refused.value).startswith("unknown dead reason")
+    assert "\n" not in str(refused.value)
+    assert capsys.readouterr().out == ""
 
 
 # -- redrive
@@ -252,8 +257,9 @@ def test_redrive_cli_dry_run_reports_and_changes_nothing(
         c = dead(conn, "T-2", "superseded")
         before = conn.execute(sa.select(queue).order_by(queue.c.id)).all()
     flt = Filter.build(Scope.DEAD, all_rows=True)
-    controls.run_cli(
-        make_settings(db_url), db_url, AuditCommand.DLQ_REDRIVE, flt, actor="ops", dry_run=True
+    ctx = Context.given(make_settings(db_url), db_url)
+    control_commands.run_action(
+        ctx, AuditCommand.DLQ_REDRIVE, flt, actor="ops", dry_run=True, batch_size=1000
     )
     out = capsys.readouterr().out
     assert out.splitlines()[0] == (
@@ -331,8 +337,9 @@ def test_redrive_cli_commits_reports_and_audits(
         a = dead(conn, "T-1")
         b = dead(conn, "T-1")
     flt = Filter.build(Scope.DEAD, keys=["T-1"])
-    controls.run_cli(
-        make_settings(db_url), db_url, AuditCommand.DLQ_REDRIVE, flt, actor="ops", dry_run=False
+    ctx = Context.given(make_settings(db_url), db_url)
+    control_commands.run_action(
+        ctx, AuditCommand.DLQ_REDRIVE, flt, actor="ops", dry_run=False, batch_size=1000
     )
     assert capsys.readouterr().out.startswith(
         "2 dead letters matched --key T-1: 1 redriven, 1 merged"
@@ -352,14 +359,13 @@ def test_redrive_cli_bad_id_is_a_one_line_error_and_changes_nothing(
     with db_engine.begin() as conn:
         a = dead(conn, "T-1")
     flt = Filter.build(Scope.DEAD, ids=[a, a + 1])
-    with pytest.raises(SystemExit) as exit_info:
-        controls.run_cli(
-            make_settings(db_url), db_url, AuditCommand.DLQ_REDRIVE, flt, actor="ops",
-            dry_run=False,
-        )  # fmt: skip
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert err == f"enrichq: dlq redrive: not dead letters: {a + 1}; nothing changed\n"
+    ctx = Context.given(make_settings(db_url), db_url)
+    with pytest.raises(CommandError) as refused:
+        control_commands.run_action(
+            ctx, AuditCommand.DLQ_REDRIVE, flt, actor="ops", dry_run=False, batch_size=1000
+        )
+    assert refused.value.code == 2
+    assert str(refused.value) == f"dlq redrive: not dead letters: {a + 1}; nothing changed"
     with db_engine.connect() as conn:
         assert get(conn, a).state == "dead_letter"
         assert conn.execute(sa.text("SELECT count(*) FROM enrichq.audit_log")).scalar() == 0

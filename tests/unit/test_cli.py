@@ -303,7 +303,7 @@ class _Terminal(io.StringIO):
 
 def test_a_long_run_on_a_terminal_shows_a_bar_with_rows_done_and_rate() -> None:
     from enrichq_schema.states import AuditCommand
-    from enrichq_service.cli_support import Progress
+    from enrichq_service.commands.progress import Progress
     from enrichq_sweeper.controls import ActionResult
     from enrichq_sweeper.filters import Filter, Scope
 
@@ -322,7 +322,7 @@ def test_a_long_run_on_a_terminal_shows_a_bar_with_rows_done_and_rate() -> None:
 
 def test_a_run_of_one_batch_shows_no_progress() -> None:
     from enrichq_schema.states import AuditCommand
-    from enrichq_service.cli_support import Progress
+    from enrichq_service.commands.progress import Progress
     from enrichq_sweeper.controls import ActionResult
     from enrichq_sweeper.filters import Filter, Scope
 
@@ -339,7 +339,7 @@ def test_a_run_of_one_batch_shows_no_progress() -> None:
 def test_an_audit_filter_shows_only_the_options_given() -> None:
     """A pause of a tenant (no kind) read `kind=None tenant=acme`; options not given are
     left out."""
-    from enrichq_service.audit import describe_filter
+    from enrichq_service.commands.controls import describe_filter
 
     assert describe_filter({"kind": None, "tenant": "acme", "scope": "open"}) == "tenant=acme"
     assert describe_filter({"all": True, "ids": [], "dry_run": False}) == "all"

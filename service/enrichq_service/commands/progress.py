@@ -1,42 +1,24 @@
-"""What the operator commands share (cancel, dlq, pause, resume): their input types and
-checks, the confirmation of an action over every row, and the progress of a long one.
-
-Checks here refuse operator input before any connection (one line, exit 2); the domain's
-own checks (enrichq_sweeper.filters, .pauses) still run after them. Nothing here imports a
-heavy stack at module import: rich loads only when a progress bar is shown.
-"""
+"""How a long command shows it is working, on stderr: the confirmation an action over
+every row asks first, and the progress of an action or a backfill (a rich bar on a
+terminal, a plain line now and then otherwise). rich loads only when a bar is shown."""
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TextIO
 
 import click
 
-from enrichq_schema.process import fail
-
 if TYPE_CHECKING:
     from enrichq_sweeper.controls import ActionResult
 
-# A queue row id is a PostgreSQL bigint: a larger --id names no row and cannot be bound.
-ROW_ID_MAX = 2**63 - 1
-ROW_ID = click.IntRange(min=1, max=ROW_ID_MAX)
 # A plain line of progress at most this often when stderr is not a terminal (seconds).
 PROGRESS_LINE_SECONDS = 5.0
-
-
-def unpadded(command: str, option: str, value: str | None) -> str | None:
-    """`value` unless it has spaces around it: then refuse it (one line, exit 2), naming
-    what was probably meant. A tenant `'acme '` is not tenant `acme`: pausing it would
-    stop nothing, and cancelling by it would match nothing."""
-    if value is not None and value != value.strip():
-        fail(
-            f"{command}: {option}: {value!r} has spaces around it (did you mean "
-            f"{value.strip()!r}?); nothing changed"
-        )
-    return value
+PLAIN_EVERY_PAGES = 10
+"""Without a terminal, one backfill progress line per this many pages."""
 
 
 def is_terminal(stream: TextIO) -> bool:
@@ -134,3 +116,33 @@ class Progress:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
+
+
+@contextmanager
+def progress_display(total: int, out: TextIO) -> Iterator[Callable[[int], None]]:
+    """A callback advancing a progress display by the tickets of a page: a rich bar on a
+    terminal, a plain line every few pages otherwise (a log or a pipe)."""
+    if out.isatty():
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+        with Progress(
+            "backfill",
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            console=Console(file=out),
+            transient=True,
+        ) as bar:
+            task = bar.add_task("tickets", total=total)
+            yield lambda n: bar.advance(task, n)
+        return
+    done = [0, 0]
+
+    def line(n: int) -> None:
+        done[0] += n
+        done[1] += 1
+        if done[1] % PLAIN_EVERY_PAGES == 0:
+            print(f"backfill: {done[0]:,}/{total:,} tickets read", file=out, flush=True)
+
+    yield line
