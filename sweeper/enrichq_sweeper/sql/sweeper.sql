@@ -73,6 +73,24 @@ ORDER BY q.id
 LIMIT :batch_size;
 
 
+-- name: recovery_scan_page
+-- The page `recovery_scan` reads, as one row: its ids in the global lock order of queue
+-- rows, (key, kind, id) in byte order (COLLATE "C" compares bytes, as `lock_order` does),
+-- its last id (the cursor) and its size; ids NULL and n 0 when there is none. What a pass
+-- needs of a page, without a row per lease to build and sort in the sweeper.
+SELECT array_agg(p.id ORDER BY p.key COLLATE "C", p.kind COLLATE "C", p.id) AS ids,
+       max(p.id) AS last_id, count(*) AS n
+FROM (
+    SELECT q.id, q.kind, q.key
+    FROM enrichq.queue AS q
+    WHERE q.state = 'leased'
+      AND q.lease_expires_at < coalesce(CAST(:now AS timestamptz), now())
+      AND q.id > :after_id
+    ORDER BY q.id
+    LIMIT :batch_size
+) AS p;
+
+
 -- name: recovery_recover_batch
 -- Recovers the page's rows (:ids, in (key, kind, id) byte order) that are still expired
 -- leases, in one statement, and
@@ -102,13 +120,16 @@ seen AS MATERIALIZED (
     ) AS r
 ),
 -- the keys' queued rows (one per (kind, key) at most): one set of probes of the queued-key
--- index, both its columns bound; one queued after this statement's snapshot shows up as a
--- unique violation instead, and the caller runs the statement again
+-- index, both its columns bound by arrays built here from the page's rows (not sent by the
+-- caller: a thousand keys dumped as a text array cost the sweeper more CPU than the probes
+-- cost the server); one queued after this statement's snapshot shows up as a unique
+-- violation instead, and the caller runs the statement again
 queued AS (
     SELECT o.id, o.kind, o.key
     FROM enrichq.queue AS o
     WHERE o.state = 'queued'
-      AND o.kind = ANY(CAST(:kinds AS text[])) AND o.key = ANY(CAST(:keys AS text[]))
+      AND o.kind = ANY(ARRAY(SELECT DISTINCT s.kind FROM seen AS s))
+      AND o.key = ANY(ARRAY(SELECT s.key FROM seen AS s))
 ),
 decided AS MATERIALIZED (
     SELECT l.*, CASE WHEN NOT l.spent THEN o.id END AS queued_id
