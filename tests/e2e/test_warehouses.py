@@ -43,6 +43,13 @@ SELECT upper(c.email) FROM warehouse.customers AS c
 JOIN warehouse.orders AS o ON o.customer_id = c.customer_id ORDER BY 1 LIMIT 1
 """
 
+GREEK_EMAIL = "ΣΑΣ@example.gr"
+GREEK = """
+INSERT INTO warehouse.customers (customer_id, email) VALUES ('C-greek', 'ΣΑΣ@example.gr');
+INSERT INTO warehouse.orders (order_id, customer_id, placed_at, total)
+VALUES ('O-greek', 'C-greek', '2026-12-01T10:00:00Z', 12.50);
+"""
+
 EXPECTED_ORDERS = """
 SELECT t.id, o.order_id, o.customer_id, o.placed_at, o.total
 FROM helpdesk.tickets AS t
@@ -60,6 +67,11 @@ def odd_world(engine: sa.Engine, tickets: int = 80) -> list[str]:
         seed.seed_world(conn, tickets=tickets)
         add_tickets(conn, ["T-no-email"], email=None)
         add_tickets(conn, ["T-shouting"], email=conn.execute(sa.text(SHOUTING)).scalar_one())
+        # an e-mail whose lower case Python and SQL disagree on (a final capital sigma:
+        # Python's lower() makes it a final small sigma, SQL's a small sigma): a customer
+        # with an order, and their ticket
+        conn.execute(sa.text(GREEK))
+        add_tickets(conn, ["T-greek"], email=GREEK_EMAIL)
         keys = ticket_ids(conn)
         enqueue(conn, keys)
     return keys
@@ -155,6 +167,7 @@ def test_batch_and_single_lookups_agree_on_both_engines(
         assert got == want, key
     assert results[("postgresql", "batch")]["T-no-email"] == []
     assert results[("duckdb", "single")]["T-shouting"] == want["T-shouting"] != []
+    assert [o[0] for o in want["T-greek"]] == ["O-greek"]  # found, by SQL's lower() alone
 
 
 # -- through a worker: every form on every engine writes the same orders
