@@ -23,7 +23,8 @@ from enrichq_service.errors import Deferral, PermanentError, ServiceError, Trans
 
 LABEL_APP = "enrichq"
 # a bound value as the dialect's compiler writes it (pyformat), and as BigQuery names it
-PYFORMAT = re.compile(r"%\((\w+)\)s")
+# (pyformat, with the type where the compiler knows it: `%(name)s`, `%(name:STRING)s`)
+PYFORMAT = re.compile(r"%\((\w+)(?::[^)]*)?\)s")
 # a call to BigQuery when the attempt has no deadline (a direct call of the lookup)
 CALL_SECONDS_DEFAULT = 300.0
 # an abandoned job is cancelled; how long its lookup waits for it to end, to learn its bill
