@@ -444,8 +444,8 @@ def warehouse_lookup_batch(
     its ticket alone, in `validate`. A value the warehouse itself cannot read (a total that
     does not convert to a number) fails the whole query and names no ticket: the batch is
     split in halves, and halves again (at most `SPLIT_DEPTH_MAX` times, `SPLIT_QUERIES_MAX`
-    more queries), until the tickets whose rows fail are alone; the others complete. Every query that ran is charged, a
-    failed one shared among its tickets.
+    more queries), until the tickets whose rows fail are alone; the others complete. Every
+    query that ran is charged, a failed one shared among its tickets.
     """
     lookup = _BatchLookup(context)
     lookup.run(list(tickets), depth=0)
