@@ -116,7 +116,7 @@ class _Guarded(H11Protocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.conn = _Connection(self, self.conn._max_incomplete_event_size)  # noqa: SLF001 -- the size uvicorn configured
+        self.conn = _Connection(self, self.conn._max_incomplete_event_size)
         self._timer: asyncio.TimerHandle | None = None
 
     def _arm(self, seconds: float, reason: str) -> None:
@@ -143,8 +143,8 @@ class _Guarded(H11Protocol):
         """A request is in whole: the answer is ours to give, no client timeout runs."""
         self._disarm()
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
-        super().connection_made(transport)  # type: ignore[arg-type]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
         if len(self.connections) > self.limits.max_connections:
             metrics.http_connections_closed_total.labels("too_many").inc()
             self.transport.write(_BUSY)
