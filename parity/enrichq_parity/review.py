@@ -1,10 +1,5 @@
-"""The review of parity runs: a reviewer's approval, the list of runs, a stored run's report.
-
-A reviewer reads a finished run's report and signs it: ``enrichq parity approve RUN --by
-NAME``. Cutover needs a signature on the run it judges (`enrichq_parity.cutover`). Only a
-finished run that passed its bars can be signed; one that still has legacy faults without an
-accepted rule can be, but cutover refuses the tenants those faults belong to.
-"""
+"""The review of parity runs: a reviewer's approval, the list of runs, a stored run's
+report."""
 
 from __future__ import annotations
 
@@ -17,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
+from enrichq_parity.errors import ParityError
 from enrichq_parity.model import (
     Approval,
     ParityReport,
@@ -40,15 +36,15 @@ if TYPE_CHECKING:
 RUNS_LIMIT_DEFAULT = 20
 
 
-class ReviewInputError(EnrichqError):
+class ReviewInputError(ParityError):
     """The review command's input is wrong (an unknown run, a bad name)."""
 
 
-class Refused(EnrichqError):
+class ParityRefused(ParityError):
     """A review or cutover command refused (exit 1); its other errors are bad input (exit 2)."""
 
 
-class ApprovalRefused(Refused):
+class ApprovalRefused(ParityRefused):
     """This run cannot be approved."""
 
 
@@ -274,7 +270,7 @@ def load_report(conn: sa.Connection, run_id: int) -> tuple[ParityReport, tuple[A
 
 def say_failure(command: str, exc: EnrichqError) -> int:
     """Say in one line why `command` changed nothing; its exit code (1 refused, 2 bad input)."""
-    if isinstance(exc, Refused):
+    if isinstance(exc, ParityRefused):
         say(f"{command} refused: {exc}")
         return Exit.FAILED
     say(f"{command}: {exc}")
@@ -286,9 +282,9 @@ def _printable(text: str) -> bool:
 
 
 def _engine(settings: Settings, url: str) -> sa.Engine:
-    from enrichq_schema.connections import create_engine
+    from enrichq_schema.connections import engine_from_settings
 
-    return create_engine(
+    return engine_from_settings(
         settings,
         url,
         application_name="enrichq-parity",

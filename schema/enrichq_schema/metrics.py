@@ -80,6 +80,13 @@ warehouse_deferrals_total = Counter(
 
 # -- ingest
 events_total = Counter("enrichq_events_total", "Events received over HTTP by result.", ["result"])
+http_connections_closed_total = Counter(
+    "enrichq_http_connections_closed_total",
+    "HTTP connections serve closed on the client: too slow to send its request's head or"
+    " body, one too many (ENRICHQ_HTTP_MAX_CONNECTIONS), or a request with both"
+    " Content-Length and Transfer-Encoding.",
+    ["reason"],
+)
 enqueued_total = Counter(
     "enrichq_enqueued_total", "Enqueue requests by result (inserted/merged).", ["kind", "result"]
 )

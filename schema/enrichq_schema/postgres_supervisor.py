@@ -25,6 +25,7 @@ from urllib.parse import quote
 
 import psycopg
 
+from enrichq_schema.errors import EnrichqError
 from enrichq_schema.text import one_line
 
 __all__ = ["EmbeddedPostgres", "EmbeddedPostgresError", "default_data_dir"]
@@ -66,7 +67,7 @@ _SETTINGS = {
 }
 
 
-class EmbeddedPostgresError(Exception):
+class EmbeddedPostgresError(EnrichqError):
     """The embedded PostgreSQL could not be started."""
 
 

@@ -1,26 +1,6 @@
-"""The built-in lookup's query on BigQuery, through BigQuery's own client.
-
-SQLAlchemy's BigQuery dialect (sqlalchemy-bigquery) turns a statement into BigQuery SQL,
-but its DB-API cursor runs the query with the client's defaults: no job timeout, no byte
-limit, a retry deadline of up to 10 minutes per call, no job id known before the call
-returns (so nothing to cancel) and, on a pooled connection, a billed `SELECT 1` ping. Here
-the statement SQLAlchemy compiled runs as a query job of enrichq's own making:
-
-- `job_timeout_ms` is the attempt's remaining time: BigQuery stops the job itself when the
-  attempt is over, even if this process is gone;
-- `maximum_bytes_billed` is ENRICHQ_MAX_BYTES_PER_QUERY: a query that would bill more is
-  refused before it runs, at no cost;
-- labels `app=enrichq` and `kind=<kind>`, so the billing export attributes the cost;
-- every call to BigQuery (the insert, each poll, each page) is bounded by the attempt's
-  deadline, and retries only what never reached BigQuery (a dropped connection); a job
-  that is abandoned (deadline, lost lease, shutdown) is cancelled, and whatever it billed
-  when it ends is charged, also when it failed.
-
-Errors are mapped as BigQuery documents them (`mapped`): `rateLimitExceeded`, 5xx and
-`backendError` are transient (the queue's backoff); `quotaExceeded` defers the work to the
-quota's reset (midnight, Pacific time) without spending an attempt; `invalidQuery`,
-`notFound`, `accessDenied` are permanent, in one line, and `check` finds them at start-up.
-"""
+"""The built-in lookup's query on BigQuery, through BigQuery's own client: a query job of
+enrichq's own making, bounded by the attempt's deadline and the byte limit, cancelled when
+abandoned, its errors mapped to transient, deferred or permanent."""
 
 from __future__ import annotations
 
@@ -39,7 +19,7 @@ import sqlalchemy as sa
 
 from enrichq_schema.errors import SettingsError
 from enrichq_schema.settings import Settings
-from enrichq_service.errors import Deferral, PermanentError, TransientError
+from enrichq_service.errors import Deferral, PermanentError, ServiceError, TransientError
 
 LABEL_APP = "enrichq"
 # a bound value as the dialect's compiler writes it (pyformat), and as BigQuery names it
@@ -78,7 +58,7 @@ class Ran:
     bytes_billed: int
 
 
-class JobFailed(Exception):
+class JobFailed(ServiceError):
     """A query job that failed, with what it billed and what its error comes to."""
 
     def __init__(self, error: BaseException, job_id: str | None, bytes_billed: int, *, data: bool):

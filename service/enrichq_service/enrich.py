@@ -1,24 +1,6 @@
-"""Enrichment (DESIGN §4): read the ticket, look its customer up, write what was found.
-
-The enrichment is a plug-in, in one of two forms:
-
-- per ticket, ``ENRICHQ_ENRICHER=package.module:function``: ``(ticket, context) ->
-  Enrichment``;
-- per batch, ``ENRICHQ_BATCH_ENRICHER=package.module:function``: ``(tickets, context) ->
-  Mapping[ticket id, Enrichment | Exception]``, called once for up to
-  ``ENRICHQ_LOOKUP_BATCH_SIZE`` tickets of one claim. A ticket missing from the mapping is
-  a transient error; an exception value is that ticket's outcome.
-
-Either raises ``TransientError`` (retry), ``PermanentError`` (fail) or ``Deferral`` (defer
-until a time); anything else counts as transient. A plug-in's result is checked where it
-enters (`validate`): a result of the wrong shape, a NUL byte, an over-long id or a total
-that is not a number, text PostgreSQL cannot hold (a lone surrogate, as
-``bytes.decode("utf-8", "surrogateescape")`` makes) or a bill over `BYTES_MAX` fails that
-job alone, with the field named, before anything reaches the database. The built-in
-enrichment, `warehouse_lookup_batch` (the default), runs one warehouse query for a whole
-batch through SQLAlchemy's expanding bind parameters, so the same statement runs on every
-dialect; `warehouse_lookup` is its per-ticket form.
-"""
+"""Enrichment: read the ticket, look its customer up, write what was found; the plug-in
+forms (per ticket, per batch), the checks on what a plug-in returns, and the built-in
+warehouse lookup."""
 
 from __future__ import annotations
 
@@ -45,7 +27,7 @@ from enrichq_schema.process import PluginError, load_callable
 from enrichq_schema.queries import load
 from enrichq_schema.settings import BUILTIN_BATCH_ENRICHER, Settings
 from enrichq_schema.text import error_line
-from enrichq_service.errors import PermanentError, TransientError
+from enrichq_service.errors import PermanentError, ServiceError, TransientError
 
 SQL = load("enrichq_service", "sql/enrich.sql")
 log = logging.getLogger(__name__)
@@ -528,7 +510,7 @@ class _BatchLookup:
             self.outcomes[ticket.id] = tuple(found.get(email, [])) if email else ()
 
 
-class QueryFailed(Exception):
+class QueryFailed(ServiceError):
     """A warehouse query failed: the error its tickets get, and what it billed. `data`:
     the warehouse could not read a value (a query of fewer tickets may succeed)."""
 

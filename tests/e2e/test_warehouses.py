@@ -363,3 +363,72 @@ def test_a_duckdb_file_named_like_its_schema_is_read_by_catalog_qualified_names(
     finally:
         engine.dispose()
     assert found == expected(db_engine, [t.id for t in tickets])
+
+
+# -- a value the warehouse cannot read fails the whole query: the batch is split until the
+# tickets whose rows fail are alone, and the others complete (issue 30 item 5)
+
+TEXT_ORDERS = [
+    # totals as text, and a view that reads them as numbers: a total that is not one makes
+    # every query through the view fail, naming no ticket
+    "CREATE TABLE warehouse.orders_text AS SELECT order_id, customer_id, placed_at,"
+    " CAST(total AS VARCHAR(40)) AS total FROM warehouse.orders",
+    "INSERT INTO warehouse.orders_text VALUES ('O-bad', :customer, NULL, 'twelve')",
+    "CREATE VIEW warehouse.orders_typed AS SELECT order_id, customer_id, placed_at,"
+    " CAST(total AS DECIMAL(18, 2)) AS total FROM warehouse.orders_text",
+]
+
+
+def bad_total_customer(db_engine: sa.Engine) -> tuple[str, list[str]]:
+    """A customer some tickets ask about (more than one, where there is one), and those tickets."""
+    customer, tickets = q(
+        db_engine,
+        "SELECT c.customer_id, array_agg(t.id ORDER BY t.id) FROM helpdesk.tickets AS t"
+        " JOIN warehouse.customers AS c ON lower(c.email) = lower(t.requester_email)"
+        " GROUP BY 1 ORDER BY count(*) DESC, 1 LIMIT 1",
+    )[0]
+    return customer, list(tickets)
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
+def test_a_value_the_warehouse_cannot_read_fails_only_its_tickets(
+    db_url: str, db_engine: sa.Engine, warehouses: dict[str, str], engine_name: str
+) -> None:
+    customer, failing = bad_total_customer(db_engine)
+    warehouse = create_warehouse_engine(warehouses[engine_name], pool_size=2)
+    try:
+        with warehouse.begin() as conn:
+            for statement in TEXT_ORDERS:
+                conn.execute(sa.text(statement), {"customer": customer})
+        with warehouse.connect() as conn, pytest.raises(sa.exc.DataError):
+            conn.execute(sa.text("SELECT sum(total) FROM warehouse.orders_typed")).all()
+        settings = make_settings(
+            db_url,
+            warehouse_url=warehouses[engine_name],
+            orders_table="warehouse.orders_typed",
+            concurrency=1,
+            lookup_batch_size=50,
+        )
+        result = Worker(settings, db_engine, warehouse=warehouse).run(drain=True)
+    finally:
+        warehouse.dispose()
+    assert result.stop_reason == "no_work"
+    states = {
+        k: (s, e) for k, s, e in q(db_engine, "SELECT key, state, last_error FROM enrichq.queue")
+    }
+    for ticket in failing:
+        state, error = states[ticket]
+        assert state == "failed", (ticket, error)
+        assert "the warehouse could not read the orders" in error
+    good = sorted(set(states) - set(failing))
+    assert len(good) > 50  # innocent tickets shared batches with the culprits
+    assert {states[k][0] for k in good} == {"done"}
+    got: dict[str, list[tuple[Any, ...]]] = {k: [] for k in good}
+    for r in q(
+        db_engine,
+        "SELECT ticket_id, order_id, customer_id, placed_at, total FROM enrichq.ticket_orders",
+    ):
+        got[r[0]].append(r[1:])
+    assert {k: normalized(v) for k, v in got.items()} == expected(db_engine, good)
+    # one attempt each: found in the same attempt, not by retrying
+    assert q(db_engine, "SELECT DISTINCT attempts FROM enrichq.queue") == [(1,)]

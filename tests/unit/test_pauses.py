@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from enrichq_sweeper.pauses import PauseError, Scope
+from enrichq_sweeper.pauses import PauseError, PauseScope
 
 
 @pytest.mark.parametrize(
@@ -20,4 +20,4 @@ from enrichq_sweeper.pauses import PauseError, Scope
 )
 def test_bad_scopes_are_refused(kind: str | None, tenant: str | None, message: str) -> None:
     with pytest.raises(PauseError, match=re.escape(message)):
-        Scope.build(kind=kind, tenant=tenant)
+        PauseScope.build(kind=kind, tenant=tenant)

@@ -84,7 +84,7 @@ def test_toml_file_is_read_and_environment_wins(
         ({"ENRICHQ_DATABASE_URL": "sqlite:///enrichq.db"}, "expected postgresql://"),
         ({"ENRICHQ_DATABASE_URL": "postgres://u:pw@h/db"}, "not postgres://"),
         ({"ENRICHQ_PARITY_DATABASE_URL": "mssql://u:pw@h/db"}, "ENRICHQ_PARITY_DATABASE_URL"),
-        ({"ENRICHQ_WAREHOUSE_URL": "bigquery://project/dataset"}, "no SQLAlchemy dialect"),
+        ({"ENRICHQ_WAREHOUSE_URL": "snowflake://account/db"}, "no SQLAlchemy dialect"),
         ({"ENRICHQ_WAREHOUSE_URL": "mysql://u:pw@h/db"}, "driver of mysql:// is not installed"),
         ({"ENRICHQ_WAREHOUSE_URL": "postgresql://u:pw@h/db?sslmod=x"}, "'sslmod'"),
         ({"ENRICHQ_POOL_MODE": "statement"}, "ENRICHQ_POOL_MODE"),

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from enrichq_sweeper.controls import ActionResult, ActionStopped
     from enrichq_sweeper.dlq import DeadLetter
     from enrichq_sweeper.filters import Filter
-    from enrichq_sweeper.pauses import Pause, Scope
+    from enrichq_sweeper.pauses import Pause, PauseScope
 
 ERROR_COLUMN_WIDTH = 60
 """How much of a dead letter's last error `dlq list` shows."""
@@ -328,13 +328,13 @@ def _superseder(row: DeadLetter) -> str:
 # -- pause, resume
 
 
-def pause_scope(command: str, kind: str | None, tenant: str | None) -> Scope:
+def pause_scope(command: str, kind: str | None, tenant: str | None) -> PauseScope:
     """The scope of `--kind` and `--tenant`, checked."""
-    from enrichq_sweeper.pauses import PauseError, Scope
+    from enrichq_sweeper.pauses import PauseError, PauseScope
 
     options.unpadded(command, "--tenant", tenant)
     try:
-        return Scope.build(kind=kind, tenant=tenant)
+        return PauseScope.build(kind=kind, tenant=tenant)
     except PauseError as exc:
         refuse(f"{command}: {exc}; nothing changed")
 
@@ -354,7 +354,7 @@ def pause(
 ) -> int:
     """`enrichq pause`: pause, print what is paused now; the exit code."""
     from enrichq_sweeper import pauses
-    from enrichq_sweeper.pauses import PauseError, Scope, check_reason
+    from enrichq_sweeper.pauses import PauseError, PauseScope, check_reason
 
     paused = pause_scope("pause", kind, tenant)
     who = options.actor("pause", actor)
@@ -364,7 +364,7 @@ def pause(
         refuse(f"pause: {exc}; nothing changed")
     with ctx.opened("enrichq-pause", statement_timeout=False) as engine, engine.begin() as conn:
         done, created = pauses.pause(conn, paused, actor=who, reason=reason)
-        known = paused == Scope() or pauses.seen(conn, paused)
+        known = paused == PauseScope() or pauses.seen(conn, paused)
     if not known:
         say(
             f"pause: warning: no work of {paused.describe()} has ever been seen (no plan, no "
