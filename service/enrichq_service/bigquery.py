@@ -23,7 +23,9 @@ from enrichq_service.errors import Deferral, PermanentError, ServiceError, Trans
 
 LABEL_APP = "enrichq"
 # a bound value as the dialect's compiler writes it (pyformat), and as BigQuery names it
-PYFORMAT = re.compile(r"%\((\w+)\)s")
+# (the dialect writes a scalar bind with its type, %(name:STRING)s: BigQuery takes the type
+# from the query parameter)
+PYFORMAT = re.compile(r"%\((\w+)(?::\w+)?\)s")
 # a call to BigQuery when the attempt has no deadline (a direct call of the lookup)
 CALL_SECONDS_DEFAULT = 300.0
 # an abandoned job is cancelled; how long its lookup waits for it to end, to learn its bill
