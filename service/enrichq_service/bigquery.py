@@ -77,14 +77,14 @@ def client_of(conn: sa.Connection) -> Any:
 
 
 def compiled(
-    conn: sa.Connection, stmt: sa.TextClause, params: Mapping[str, Any]
+    dialect: sa.Dialect, stmt: sa.TextClause, params: Mapping[str, Any]
 ) -> tuple[str, list[Any]]:
     """`stmt` as BigQuery SQL with named parameters (@name), and those parameters: the
     dialect expands a list into one bound value each, as on every dialect."""
     from google.cloud import bigquery
 
     done = stmt.bindparams(**params).compile(
-        dialect=conn.dialect, compile_kwargs={"render_postcompile": True}
+        dialect=dialect, compile_kwargs={"render_postcompile": True}
     )
     sql = PYFORMAT.sub(lambda m: f"@{m.group(1)}", done.string)
     values: list[Any] = []
@@ -109,7 +109,7 @@ def run(
     from google.cloud import bigquery
 
     client = client_of(conn)
-    sql, values = compiled(conn, stmt, params)
+    sql, values = compiled(conn.dialect, stmt, params)
     if deadline is None:
         deadline = time.monotonic() + CALL_SECONDS_DEFAULT
     remaining = deadline - time.monotonic()

@@ -3,9 +3,7 @@ the mapping of BigQuery's errors, when its quotas reset (issue 30)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -20,11 +18,6 @@ from enrichq_service.errors import Deferral, PermanentError, TransientError
 DIALECT = BigQueryDialect(paramstyle="pyformat")
 
 
-@dataclass
-class _Conn:
-    dialect: Any
-
-
 def test_the_lookup_statement_becomes_bigquery_sql_with_named_parameters() -> None:
     stmt = _statement(
         "enrich_warehouse_orders_batch",
@@ -32,9 +25,7 @@ def test_the_lookup_statement_becomes_bigquery_sql_with_named_parameters() -> No
         customers="`d`.`customers`",
         orders="`d`.`orders`",
     )
-    sql, params = compiled(
-        _Conn(DIALECT), stmt, {"asked_0": "a@x", "asked_1": "B@x", "asked_2": "c"}
-    )
+    sql, params = compiled(DIALECT, stmt, {"asked_0": "a@x", "asked_1": "B@x", "asked_2": "c"})
     assert "%(" not in sql
     assert ":asked" not in sql
     assert [f"@asked_{i}" in sql for i in range(3)] == [True, True, True]
@@ -46,7 +37,7 @@ def test_the_lookup_statement_becomes_bigquery_sql_with_named_parameters() -> No
 
 
 def test_an_untyped_placeholder_is_named_too() -> None:
-    sql, params = compiled(_Conn(DIALECT), sa.text("SELECT :n AS n, :s AS s"), {"n": 3, "s": "x"})
+    sql, params = compiled(DIALECT, sa.text("SELECT :n AS n, :s AS s"), {"n": 3, "s": "x"})
     assert sql == "SELECT @n AS n, @s AS s"
     assert [(p.name, p.type_) for p in params] == [("n", "INT64"), ("s", "STRING")]
 
