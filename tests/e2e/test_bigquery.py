@@ -267,6 +267,7 @@ def run_worker(env: dict[str, str], timeout: float = 120) -> subprocess.Complete
         ("not_a_key", "BigQuery credentials are missing or unusable"),
         ("no_table", "ENRICHQ_ORDERS_TABLE="),
         ("no_column", "has no column total"),
+        ("access_denied", "access denied"),
     ],
 )
 def test_a_worker_refuses_to_start_without_usable_credentials_or_tables(
@@ -274,6 +275,7 @@ def test_a_worker_refuses_to_start_without_usable_credentials_or_tables(
     db_url: str,
     db_engine: sa.Engine,
     warehouse: sa.Engine,
+    layer: FaultLayer,
     bq_env: dict[str, str],
     tmp_path: Path,
     problem: str,
@@ -297,6 +299,8 @@ def test_a_worker_refuses_to_start_without_usable_credentials_or_tables(
         env.update(
             HOME=str(tmp_path), GCE_METADATA_HOST="127.0.0.1:9", GCE_METADATA_IP="127.0.0.1:9"
         )
+    elif problem == "access_denied":
+        layer.faults.append(Fault("GET", r"/tables/", 403, "accessDenied", times=None))
     elif problem == "not_a_key":
         (tmp_path / "key.json").write_text(json.dumps({"type": "service_account"}))
         env["GOOGLE_APPLICATION_CREDENTIALS"] = str(tmp_path / "key.json")
