@@ -124,6 +124,7 @@ def run(
     job_id = f"enrichq_{uuid.uuid4().hex}"
     cancel = _Cancel(client, job_id)
     job = None
+    inserted = False
     try:
         with interruptible(cancel):
             job = client.query(
@@ -134,15 +135,20 @@ def run(
                 job_retry=None,
                 timeout=_left(deadline),
             )
+            inserted = True
             cancel.created()
             rows = list(job.result(retry=_retry(deadline), timeout=_left(deadline)))
     except Exception as exc:
+        if job is None:
+            # the insert failed, or only its answer was lost: a job made under our id runs
+            # and bills all the same, so it is looked for (and cancelled, and charged)
+            job = _made_anyway(client, job_id)
         if job is not None:
             cancel.created()
         billed = _billed_at_end(client, job, cancel) if job is not None else 0
         error = cancel.why() or mapped(exc, max_bytes=max_bytes)
         # a query refused before it ran (on insert) is not the data's doing
-        data = job is not None and _reason(exc) in DATA_REASONS
+        data = inserted and _reason(exc) in DATA_REASONS
         raise JobFailed(error, job_id if job is not None else None, billed, data=data) from exc
     return Ran(rows, job.job_id or job_id, int(job.total_bytes_billed or 0))
 
@@ -187,6 +193,14 @@ class _Cancel:
             if not self._wanted:
                 return None
         return TransientError("the lookup was abandoned: its BigQuery job was cancelled")
+
+
+def _made_anyway(client: Any, job_id: str) -> Any:
+    """The job of `job_id` if BigQuery made it after all, or None."""
+    try:
+        return client.get_job(job_id, retry=None, timeout=REQUEST_SECONDS)
+    except Exception:  # not found, or BigQuery unreachable: nothing known to charge
+        return None
 
 
 def _billed_at_end(client: Any, job: Any, cancel: _Cancel) -> int:

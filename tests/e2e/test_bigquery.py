@@ -413,3 +413,23 @@ def test_worker_drain_stops_in_bounded_time_while_a_bigquery_call_hangs(
     )
     # handed back for a later attempt (the sweeper dead-letters it: attempts spent)
     assert (state, attempts) == ("queued", 1)
+
+
+def test_a_job_whose_insert_answer_was_lost_is_found_and_charged(
+    db_engine: sa.Engine, warehouse: sa.Engine, layer: FaultLayer
+) -> None:
+    """The insert reached BigQuery, its answer did not: the job ran under the id enrichq
+    gave it, so it is looked up, and what it billed is charged."""
+    ticket, dataset = one_ticket(db_engine, warehouse)
+    settings = bq_settings(str(db_engine.url), dataset)
+    with db_engine.connect() as conn:
+        tickets = list(read_tickets(conn, settings, [ticket]).values())
+    layer.faults.append(Fault("POST", r"/jobs(\?|$)", 503, "backendError", forward=True))
+    before = len(layer.requests)
+    found = warehouse_lookup_batch(tickets, EnrichContext(settings, warehouse))[ticket]
+    assert isinstance(found, TransientError)
+    [job] = layer.query_jobs(before)
+    job_id = job["jobReference"]["jobId"]
+    assert (
+        charge_of(found, ticket) == (job_id, 2 * MIN_BYTES_BILLED) == (job_id, layer.billed[job_id])
+    )
