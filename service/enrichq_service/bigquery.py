@@ -135,8 +135,11 @@ def run(
                 job_retry=None,
                 timeout=_left(deadline),
             )
+            cancel.created()
             rows = list(job.result(retry=_retry(deadline), timeout=_left(deadline)))
     except Exception as exc:
+        if job is not None:
+            cancel.created()
         billed = _billed_at_end(client, job, cancel) if job is not None else 0
         error = cancel.why() or mapped(exc, max_bytes=max_bytes)
         # a query refused before it ran (on insert) is not the data's doing
@@ -146,30 +149,44 @@ def run(
 
 
 class _Cancel:
-    """Cancels the job from another thread, once, without waiting for BigQuery's answer."""
+    """Cancels the job from another thread, once, without waiting for BigQuery's answer;
+    asked before the job exists (its insert still on its way), once it does."""
 
     def __init__(self, client: Any, job_id: str) -> None:
         self._client = client
         self._job_id = job_id
-        self._sent = threading.Event()
+        self._lock = threading.Lock()
+        self._wanted = False
+        self._created = False
+        self._sent = False
 
     def __call__(self) -> None:
-        if self._sent.is_set():
-            return
-        self._sent.set()
+        with self._lock:
+            self._wanted = True
+        self._maybe_send()
+
+    def created(self) -> None:
+        """The job exists now: a cancel asked for before is sent."""
+        with self._lock:
+            self._created = True
+        self._maybe_send()
+
+    def _maybe_send(self) -> None:
+        with self._lock:
+            if not (self._wanted and self._created) or self._sent:
+                return
+            self._sent = True
         threading.Thread(target=self._send, name="enrichq-cancel", daemon=True).start()
 
     def _send(self) -> None:
         with contextlib.suppress(Exception):  # best effort: job_timeout_ms still ends it
             self._client.cancel_job(self._job_id, retry=None, timeout=REQUEST_SECONDS)
 
-    @property
-    def sent(self) -> bool:
-        return self._sent.is_set()
-
     def why(self) -> BaseException | None:
-        if not self.sent:
-            return None
+        """The error of a lookup whose job was cancelled because it was abandoned."""
+        with self._lock:
+            if not self._wanted:
+                return None
         return TransientError("the lookup was abandoned: its BigQuery job was cancelled")
 
 

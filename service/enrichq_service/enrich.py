@@ -483,6 +483,12 @@ class _BatchLookup:
         # as the help desk has them: the warehouse folds case, on both sides (`_query`)
         emails = sorted({t.requester_email for t in group if t.requester_email})
         found: dict[str, list[Order]] = {e: [] for e in emails}
+        if emails and depth and self.context.cancelled.is_set():
+            # abandoned while its batch was being split: the rest never runs
+            abandoned = TransientError("the lookup was abandoned before this part of its batch ran")
+            for ticket in group:
+                self.outcomes[ticket.id] = abandoned
+            return
         if emails:
             try:
                 rows, job_id, billed = _query(self.context, emails)

@@ -1,12 +1,6 @@
-"""HTTP ingest ``POST /v1/events``, ``/healthz``, ``/readyz`` and ``/metrics`` (DESIGN §6).
-
-FastAPI and uvicorn are imported only here, so commands that serve no HTTP never load them.
-A request is checked in this order: framing (Content-Length with Transfer-Encoding: 400,
-closed), size, signature, timestamp, media type (JSON only, 415 otherwise) and encoding
-(identity only, 415 otherwise), body (duplicate keys: 422); then every event is enqueued in
-one transaction, or none is. Slow senders, connections and the bytes read before a
-signature is checked are bounded by `enrichq_service.http_guard`.
-"""
+"""HTTP ingest ``POST /v1/events`` (and Zendesk's), ``/healthz``, ``/readyz`` and
+``/metrics``: each request checked (framing, size, signature, timestamp, media type, body)
+before its events are enqueued in one transaction, or none is."""
 
 from __future__ import annotations
 
@@ -85,7 +79,8 @@ EVENT_RESULTS = (
 )
 # RFC 3339 date-time: a date, a time and a zone; pydantic parses the values.
 _RFC3339_SCHEMA = (
-    r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt ][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,9})?([Zz]|[+-][0-9]{2}:[0-9]{2})"
+    r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt ][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,9})?"
+    r"([Zz]|[+-][0-9]{2}:[0-9]{2})"
 )
 _RFC3339 = re.compile(_RFC3339_SCHEMA)
 _UNIX_SECONDS = re.compile(r"\d{1,12}")
@@ -481,6 +476,50 @@ def _accepted(
     return JSONResponse(jsonable_encoder(answer), status_code=202)
 
 
+async def _events(request: Request, body: bytes, settings: Settings, engine: sa.Engine) -> Response:
+    """POST /v1/events once its body is read: signature (enrichq's or Standard Webhooks'),
+    media type and encoding, events; then all of them enqueued in one transaction."""
+    headers = request.headers
+    secrets = [s for s in settings.webhook_secrets if not signatures.is_standard_secret(s)]
+    standard_secrets = [s for s in settings.webhook_secrets if signatures.is_standard_secret(s)]
+    standard = SIGNATURE_HEADER not in headers and signatures.SIGNATURE_HEADER in headers
+    if standard:
+        rejection = signatures.verify_standard(
+            standard_secrets,
+            headers.get(signatures.ID_HEADER),
+            headers.get(signatures.TIMESTAMP_HEADER),
+            headers.get(signatures.SIGNATURE_HEADER),
+            body,
+            now=time.time(),
+            tolerance_seconds=settings.webhook_tolerance_seconds,
+        )
+    else:
+        rejection = verify(
+            secrets,
+            headers.get(TIMESTAMP_HEADER),
+            headers.get(SIGNATURE_HEADER),
+            body,
+            now=time.time(),
+            tolerance_seconds=settings.webhook_tolerance_seconds,
+        )
+    if rejection is not None:
+        return _refuse(rejection)
+    if (problem := unsupported(headers)) is not None:
+        return _refuse(problem)
+    events = parse_events(body)
+    if isinstance(events, Rejection):
+        return _refuse(events)
+    requests = to_requests(
+        events, default_id=headers.get(signatures.ID_HEADER) if standard else None
+    )
+    if isinstance(requests, Rejection):
+        return _refuse(requests)
+    results = await _enqueue_within(engine, settings, requests)
+    if isinstance(results, Rejection):
+        return _refuse(results)
+    return _accepted([e.ticket_id for e in events], results)
+
+
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "Missing, bad or stale signature."},
     413: {"model": ErrorBody, "description": "Body larger than ENRICHQ_MAX_BODY_BYTES."},
@@ -491,8 +530,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     },
     415: {
         "model": ErrorBody,
-        "description": "Content-Type is not application/json, or Content-Encoding is not "
-        "identity.",
+        "description": "Content-Type is not application/json, or Content-Encoding is not identity.",
     },
     422: {
         "model": ErrorBody,
@@ -542,9 +580,7 @@ def id_patterns() -> tuple[str, str]:
     # expression over Unicode text (Rust's, ECMA's with the u flag) refuses the range.
     # JSON text reaches them only through \\uD800-style escapes, never as UTF-8.
     refused = [
-        c
-        for c in range(0x110000)
-        if unicodedata.category(chr(c)) in REFUSED_CATEGORIES - {"Cs"}
+        c for c in range(0x110000) if unicodedata.category(chr(c)) in REFUSED_CATEGORIES - {"Cs"}
     ]
     space = [c for c in range(0x110000) if chr(c).isspace()]
     bad = _char_class(refused)
@@ -594,8 +630,6 @@ def create_app(
     register_queue_collector(engine)
     for result in EVENT_RESULTS:
         metrics.events_total.labels(result)
-    secrets = [s for s in settings.webhook_secrets if not signatures.is_standard_secret(s)]
-    standard_secrets = [s for s in settings.webhook_secrets if signatures.is_standard_secret(s)]
     limit = settings.max_body_bytes
     budget = BodyBudget(settings.http_max_buffered_bytes)
     head = head_revision()
@@ -659,48 +693,9 @@ def create_app(
         if isinstance(body, Response):
             return body
         try:
-            return await _events(request, body)
+            return await _events(request, body, settings, engine)
         finally:
             budget.give_back(len(body))
-
-    async def _events(request: Request, body: bytes) -> Response:
-        headers = request.headers
-        standard = SIGNATURE_HEADER not in headers and signatures.SIGNATURE_HEADER in headers
-        if standard:
-            rejection = signatures.verify_standard(
-                standard_secrets,
-                headers.get(signatures.ID_HEADER),
-                headers.get(signatures.TIMESTAMP_HEADER),
-                headers.get(signatures.SIGNATURE_HEADER),
-                body,
-                now=time.time(),
-                tolerance_seconds=settings.webhook_tolerance_seconds,
-            )
-        else:
-            rejection = verify(
-                secrets,
-                headers.get(TIMESTAMP_HEADER),
-                headers.get(SIGNATURE_HEADER),
-                body,
-                now=time.time(),
-                tolerance_seconds=settings.webhook_tolerance_seconds,
-            )
-        if rejection is not None:
-            return _refuse(rejection)
-        if (problem := unsupported(headers)) is not None:
-            return _refuse(problem)
-        events = parse_events(body)
-        if isinstance(events, Rejection):
-            return _refuse(events)
-        requests = to_requests(
-            events, default_id=headers.get(signatures.ID_HEADER) if standard else None
-        )
-        if isinstance(requests, Rejection):
-            return _refuse(requests)
-        results = await _enqueue_within(engine, settings, requests)
-        if isinstance(results, Rejection):
-            return _refuse(results)
-        return _accepted([e.ticket_id for e in events], results)
 
     @app.post(
         "/v1/zendesk",

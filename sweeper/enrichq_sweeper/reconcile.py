@@ -25,9 +25,7 @@ START: tuple[datetime, str] = (datetime.min.replace(tzinfo=UTC), "")
 @cache
 def _statement(tickets_table: str, dialect: sa.Dialect) -> sa.TextClause:
     """reconcile_enqueue_page with the tickets table's validated, quoted name in it."""
-    return render(
-        sql()["reconcile_enqueue_page"], tickets_table=qualified(dialect, tickets_table)
-    )
+    return render(sql()["reconcile_enqueue_page"], tickets_table=qualified(dialect, tickets_table))
 
 
 def quiet_seconds(settings: Settings) -> float:

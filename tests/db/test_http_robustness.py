@@ -108,13 +108,14 @@ def test_a_head_trickled_a_byte_at_a_time_is_cut_off_too(
     head = b"POST /v1/events HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * 200
     with connect(server) as sock:
         started = time.monotonic()
-        with pytest.raises(OSError):  # noqa: PT012 -- the send that finds it closed raises
-            for byte in head:
+        try:
+            for byte in head:  # about 12 s of it: far past the head's deadline
                 sock.sendall(bytes([byte]))
                 time.sleep(0.05)
-            # every byte went out before the cut-off: the server must still close
-            assert read_all(sock) == b""
-            raise ConnectionResetError
+            reply = read_all(sock)
+        except (BrokenPipeError, ConnectionResetError):  # the send that finds it closed
+            reply = b""
+        assert reply == b""
         assert time.monotonic() - started < 0.5 + WAIT
 
 

@@ -5,7 +5,6 @@ the ticket after the change. Its rows obey pauses like any enqueue."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -31,7 +30,7 @@ QUIET = timedelta(seconds=600)
 
 
 @pytest.fixture
-def mirror(db_engine: sa.Engine) -> Iterator[sa.Engine]:
+def mirror(db_engine: sa.Engine) -> sa.Engine:
     with db_engine.begin() as conn:
         conn.execute(
             sa.text(
@@ -40,7 +39,7 @@ def mirror(db_engine: sa.Engine) -> Iterator[sa.Engine]:
                 " updated_at timestamptz)"
             )
         )
-    yield db_engine
+    return db_engine
 
 
 def ticket(
@@ -234,7 +233,8 @@ def test_the_pass_without_the_mirror_is_recorded_as_an_error(
     settings = make_settings(db_url, tickets_table="nowhere.tickets")
     report = passes.reconcile_pass(db_engine, settings, now=T0)
     assert not report.ok
-    assert report.error is not None and "does not exist" in report.error
+    assert report.error is not None
+    assert "does not exist" in report.error
 
 
 def schedule_of(settings: Settings, engine: sa.Engine) -> dict[str, float]:
@@ -260,5 +260,5 @@ def test_an_interval_out_of_bounds_is_refused_naming_the_field(
     value: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("ENRICHQ_RECONCILE_INTERVAL_SECONDS", value)
-    with pytest.raises((SettingsError, ValueError), match="(?i)reconcile_interval_seconds"):
+    with pytest.raises((SettingsError, ValueError), match=r"(?i)reconcile_interval_seconds"):
         Settings.load()

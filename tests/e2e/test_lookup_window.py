@@ -97,12 +97,14 @@ def test_trickling_events_are_claimed_in_cohorts_by_two_workers(
         # both workers listening before the first event (a NOTIFY sent before is not heard,
         # and the poll is 30 s)
         wait_for(
-            lambda: q(
-                db_engine,
-                "SELECT count(*) FROM pg_stat_activity"
-                " WHERE datname = current_database() AND query LIKE 'LISTEN %'",
-            )
-            == [(2,)],
+            lambda: (
+                q(
+                    db_engine,
+                    "SELECT count(*) FROM pg_stat_activity"
+                    " WHERE datname = current_database() AND query LIKE 'LISTEN %'",
+                )
+                == [(2,)]
+            ),
             timeout=60,
             what="two workers listening",
         )
