@@ -19,8 +19,9 @@ from enrichq_service.commands import demo as demo_commands
 from enrichq_service.commands import migrate as migrate_commands
 from enrichq_service.commands import parity as parity_commands
 from enrichq_service.commands import queue as queue_commands
-from enrichq_service.commands.base import CommandError, Context, say
+from enrichq_service.commands.base import CommandError, Context
 from enrichq_service.commands.options import ROW_ID
+from enrichq_service.terminal import say
 
 # A file that `enrichq parity` writes (or, for --accept, reads).
 REPORT_FILE = click.Path(dir_okay=False, path_type=Path)

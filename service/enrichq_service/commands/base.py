@@ -34,13 +34,6 @@ def refuse(message: str, code: int = Exit.USAGE) -> NoReturn:
     raise CommandError(message, code)
 
 
-def say(message: str, stream: TextIO | None = None) -> None:
-    """Tell the operator one line on stderr (or `stream`), secrets scrubbed."""
-    from enrichq_schema.secrets import scrubbed
-
-    print(scrubbed(f"enrichq: {message}"), file=sys.stderr if stream is None else stream)
-
-
 @dataclass
 class Context:
     """What every command gets: the settings (read lazily from the file given), the

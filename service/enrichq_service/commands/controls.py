@@ -14,9 +14,10 @@ from enrichq_schema.process import Exit
 from enrichq_schema.states import AuditCommand
 from enrichq_schema.text import printable, utc_time
 from enrichq_service.commands import options, render
-from enrichq_service.commands.base import Context, refuse, say
+from enrichq_service.commands.base import Context, refuse
 from enrichq_service.commands.progress import Progress, confirm_every_row
 from enrichq_service.commands.render import shown
+from enrichq_service.terminal import say
 
 if TYPE_CHECKING:
     from enrichq_schema.audit import AuditEntry
