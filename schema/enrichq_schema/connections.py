@@ -22,6 +22,7 @@ import sqlalchemy as sa
 
 from enrichq_schema import db
 from enrichq_schema.errors import SettingsError
+from enrichq_schema.identifiers import qualified, relation_exists
 from enrichq_schema.pooling import network_params, transaction_pooled
 from enrichq_schema.settings import Settings
 from enrichq_schema.states import PoolMode
@@ -75,17 +76,20 @@ def listen_connect_params(settings: Settings, url: str) -> dict[str, Any]:
     return params
 
 
-def preflight(settings: Settings, url: str) -> None:
+def preflight(settings: Settings, url: str, *, mirror: bool = False) -> None:
     """Refuse to start a long-running process on a pool mode its connections contradict.
 
     SettingsError (exit 2) when session mode meets a transaction pooler, or when the
     LISTEN URL is one; the database's own error (exit 1) when it cannot be reached (or
     refuses the connection: a pooler refusing a startup parameter, a wrong password).
     Transaction mode without a pooler is allowed: it only costs a round trip per
-    transaction.
+    transaction. With `mirror` (a process that reads the help desk's mirror: the worker,
+    serve's worker, the sweeper's refresh and reconcile), a SettingsError too when
+    ENRICHQ_TICKETS_TABLE names no table: found before anything starts, not at the first
+    lookup or pass.
     """
     # connecting at all is the first check: a refused connection ends the process here
-    evidence = _probe(settings, url)
+    evidence = _probe(settings, url, mirror=mirror)
     if settings.pool_mode is PoolMode.SESSION and evidence is not None:
         raise SettingsError(
             "ENRICHQ_POOL_MODE is session, but ENRICHQ_DATABASE_URL leads to a "
@@ -101,7 +105,18 @@ def preflight(settings: Settings, url: str) -> None:
             )
 
 
-def _probe(settings: Settings, url: str) -> str | None:
+def mirror_problem(conn: sa.Connection, settings: Settings) -> str | None:
+    """One line when the help desk's mirror (ENRICHQ_TICKETS_TABLE) is not a table this
+    connection sees, or None."""
+    if relation_exists(conn, qualified(conn.dialect, settings.tickets_table)):
+        return None
+    return (
+        f"ENRICHQ_TICKETS_TABLE: table {settings.tickets_table} does not exist in the "
+        "database (the help desk's mirror of tickets: check its name, or create it first)"
+    )
+
+
+def _probe(settings: Settings, url: str, *, mirror: bool = False) -> str | None:
     engine = db.create_engine(
         url,
         application_name="enrichq-preflight",
@@ -113,6 +128,12 @@ def _probe(settings: Settings, url: str) -> str | None:
         statement_timeout_seconds=settings.statement_timeout_seconds,
     )
     try:
-        return transaction_pooled(engine)
+        evidence = transaction_pooled(engine)
+        if mirror:
+            with engine.connect() as conn:
+                problem = mirror_problem(conn, settings)
+            if problem is not None:
+                raise SettingsError(problem)
+        return evidence
     finally:
         engine.dispose()

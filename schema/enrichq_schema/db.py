@@ -143,6 +143,10 @@ def create_engine(
     return engine
 
 
+# warehouses whose every statement is a billed job: no pre-ping before each checkout
+NO_PING_BACKENDS = frozenset({"bigquery"})
+
+
 def create_warehouse_engine(
     url: str | URL,
     *,
@@ -165,7 +169,13 @@ def create_warehouse_engine(
             parsed, application_name=application_name, pool_size=pool_size, **postgres_options
         )
     dialect = cast("type[DefaultDialect]", parsed.get_dialect())
-    kwargs: dict[str, Any] = {"pool_pre_ping": True}
+    # no ping where a ping is a billed, quota-counted query job (BigQuery): its "connection"
+    # is an HTTP client, which a failed request does not break
+    kwargs: dict[str, Any] = {"pool_pre_ping": parsed.get_backend_name() not in NO_PING_BACKENDS}
+    if parsed.get_backend_name() == "bigquery":
+        # enrichq reads a lookup's few rows through the query job itself
+        # (enrichq_service.bigquery), never through the Storage Read API
+        kwargs["connect_args"] = {"prefer_bqstorage_client": False}
     if issubclass(dialect.get_pool_class(parsed), sa.pool.QueuePool):
         kwargs.update(pool_size=pool_size, max_overflow=pool_size, pool_recycle=1800)
     return sa.create_engine(parsed, **kwargs)

@@ -95,6 +95,12 @@ sweeper_pruned_total = Counter(
 sweeper_refresh_enqueued_total = Counter(
     "enrichq_sweeper_refresh_enqueued_total", "Refresh rows enqueued by the sweeper."
 )
+reconciled_total = Counter(
+    "enrichq_reconciled_total",
+    "Tickets the reconcile pass enqueued: changed in the mirror with no event for the change"
+    " (events lost upstream), by tenant ('' = none).",
+    ["tenant"],
+)
 sweeper_last_pass_timestamp_seconds = Gauge(
     "enrichq_sweeper_last_pass_timestamp_seconds",
     "Unix time of the last finished pass, by task.",

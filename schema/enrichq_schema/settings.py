@@ -58,10 +58,27 @@ PARITY_MAX_AGE_HOURS_DEFAULT = 24
 PARITY_WINDOW_DAYS_DEFAULT = 7
 PRIORITY_AGING_SECONDS_DEFAULT = 600
 EVENT_DEDUPE_HOURS_DEFAULT = 24
+# the reconcile pass (events the help desk never delivered): every quarter of an hour; at
+# most once a day, or 0 = off
+RECONCILE_INTERVAL_SECONDS_DEFAULT = 900
+RECONCILE_INTERVAL_SECONDS_MIN = 1
+RECONCILE_INTERVAL_SECONDS_MAX = 86_400
 EVENT_DEDUPE_HOURS_MAX = 24 * 90
 # The built-in enrichment: one warehouse query per claim batch (enrichq_service.enrich).
 BUILTIN_BATCH_ENRICHER = "enrichq_service.enrich:warehouse_lookup_batch"
-LOOKUP_BATCH_SIZE_DEFAULT = 50
+LOOKUP_BATCH_SIZE_DEFAULT = 200
+# Work becomes claimable in cohorts at boundaries this far apart (seconds since the epoch
+# divisible by it), so that one warehouse query serves many tickets at a trickle of traffic.
+LOOKUP_WINDOW_SECONDS_DEFAULT = 30
+LOOKUP_WINDOW_SECONDS_MAX = 3600
+# BigQuery: the most one query job may bill (its `maximum_bytes_billed`); past it BigQuery
+# refuses the query before it runs, billing nothing. The default, 10 GiB, is a thousand
+# times a batch lookup's usual cost (BigQuery's 10 MB minimum) and a few cents on demand;
+# at most 1 PiB, the most one lookup may report (enrichq_service.enrich.BYTES_MAX); at
+# least BigQuery's 10 MB minimum, below which every query would be refused.
+MAX_BYTES_PER_QUERY_DEFAULT = 10 * 2**30
+MAX_BYTES_PER_QUERY_MIN = 10 * 2**20
+MAX_BYTES_PER_QUERY_MAX = 2**50
 BUILTIN_GAVE_UP_HOOK = "enrichq_sweeper.recovery:log_gave_up"
 NETWORK_TIMEOUT_SECONDS_DEFAULT = 10
 NETWORK_TIMEOUT_SECONDS_MAX = 600
@@ -199,12 +216,23 @@ class Settings(BaseSettings):
     """Keep dead letters."""
     daily_bytes_budget: Annotated[int, Field(ge=0, le=BIGINT_MAX)] = 0
     """Warehouse bytes billed per UTC day; 0 = no budget."""
+    max_bytes_per_query: Annotated[
+        int, Field(ge=MAX_BYTES_PER_QUERY_MIN, le=MAX_BYTES_PER_QUERY_MAX)
+    ] = MAX_BYTES_PER_QUERY_DEFAULT
+    """BigQuery: the most bytes one lookup's query job may bill (its maximum_bytes_billed)."""
     enricher: str | None = None
     """package.module:function of a per-ticket enrichment (not the batch one)."""
     batch_enricher: str | None = None
     """package.module:function of a batch enrichment; unset = the built-in lookup."""
     lookup_batch_size: Annotated[int, Field(ge=1, le=1000)] = LOOKUP_BATCH_SIZE_DEFAULT
     """Tickets a batch enricher gets at once (one warehouse query)."""
+    lookup_window_seconds: Annotated[
+        float, Field(ge=0, le=LOOKUP_WINDOW_SECONDS_MAX, allow_inf_nan=False)
+    ] = LOOKUP_WINDOW_SECONDS_DEFAULT
+    """Event work becomes visible at the next multiple of this many seconds (a cohort the
+    fleet claims together, one lookup for many tickets); 0 = the moment its delay ends.
+    Manual and redriven work is exempt.
+    """
     warehouse_max_concurrency: Annotated[int, Field(ge=0, le=10_000)] = 0
     """Warehouse lookups running at once, fleet-wide; 0 = no cap."""
     gave_up_hook: str = BUILTIN_GAVE_UP_HOOK
@@ -255,6 +283,10 @@ class Settings(BaseSettings):
     """How long in-flight work may finish on SIGTERM."""
     refresh_interval_seconds: Seconds = 3600
     """How often the sweeper enqueues refresh work."""
+    reconcile_interval_seconds: Annotated[
+        float, Field(ge=0, le=RECONCILE_INTERVAL_SECONDS_MAX, allow_inf_nan=False)
+    ] = RECONCILE_INTERVAL_SECONDS_DEFAULT
+    """How often the sweeper enqueues tickets changed without an event; 0 = never."""
     parity_grace_seconds: SecondsOrZero = 3600
     """Extra age past the visibility delay before parity."""
     parity_interval_hours: HoursOrZero = 0
@@ -401,6 +433,13 @@ class Settings(BaseSettings):
                 remember(*secrets_of_url(url))
         remember(*self.webhook_secrets, *self.zendesk_signing_secrets)
         return self
+
+    @field_validator("reconcile_interval_seconds")
+    @classmethod
+    def _reconcile_interval(cls, value: float) -> float:
+        if 0 < value < RECONCILE_INTERVAL_SECONDS_MIN:
+            raise ValueError(f"0 (off) or at least {RECONCILE_INTERVAL_SECONDS_MIN} s")
+        return value
 
     @model_validator(mode="after")
     def _one_enricher(self) -> Settings:

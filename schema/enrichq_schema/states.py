@@ -37,6 +37,9 @@ class Reason(StrEnum):
     REFRESH = "refresh"
     REDRIVE = "redrive"
     MANUAL = "manual"
+    RECONCILE = "reconcile"
+    """The sweeper found the ticket changed in the mirror after its last lookup with no
+    event for it (`enrichq_sweeper.reconcile`): an event the help desk never delivered."""
 
 
 class DeadReason(StrEnum):

@@ -302,7 +302,11 @@ lookups_in_flight = sa.Table(
     sa.Column("reserved_bytes", sa.BigInteger, nullable=False),
     _at("started_at"),
     _at("expires_at"),
+    # what the lookup's query really cost, once it returned (migration 0018): held until its
+    # settle charges it, and the fleet's worst known query cost meanwhile
+    sa.Column("cost", sa.BigInteger),
     sa.CheckConstraint("reserved_bytes >= 0", name="reserved_bytes_non_negative"),
+    sa.CheckConstraint("cost >= 0", name="cost_non_negative"),
 )
 
 # Leadership among replicas by a lease row, where no session can hold an advisory lock
@@ -326,8 +330,14 @@ budget_ledger = sa.Table(
     sa.Column("day", sa.Date, primary_key=True),
     sa.Column("bytes_billed", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("lookups", sa.BigInteger, nullable=False, server_default="0"),
+    # warehouse queries charged (a batch is one) and the costliest of them (migration 0018):
+    # what the admission reserves per query
+    sa.Column("queries", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("query_bytes_max", sa.BigInteger, nullable=False, server_default="0"),
     _at("updated_at", server_default=_now()),
     sa.CheckConstraint("bytes_billed >= 0", name="bytes_billed_non_negative"),
+    sa.CheckConstraint("queries >= 0", name="queries_non_negative"),
+    sa.CheckConstraint("query_bytes_max >= 0", name="query_bytes_max_non_negative"),
 )
 
 runs = sa.Table(

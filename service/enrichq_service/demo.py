@@ -102,6 +102,8 @@ def run_demo(  # noqa: PLR0915 -- the demo is one story, told in order
             "database_url": demo_url,
             "delay_created_seconds": 1.0,
             "delay_updated_seconds": 1.0,
+            # cohorts a second apart: batched lookups, and a demo that ends in seconds
+            "lookup_window_seconds": 1.0,
             "lease_seconds": 10.0,
             "heartbeat_seconds": 2.0,
             "poll_seconds": 0.5,

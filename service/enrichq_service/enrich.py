@@ -110,6 +110,7 @@ class EnrichContext:
     cancelled: threading.Event = field(default_factory=threading.Event)
     deadline: float | None = None
     interruptible: Interrupt = _no_interrupt
+    kind: str = "enrich"  # the queue kind(s) of the tickets, for the warehouse job's labels
 
     def remaining_seconds(self) -> float | None:
         """Seconds left before the attempt's deadline (None: no deadline)."""
@@ -269,10 +270,16 @@ def validate(result: object) -> Enrichment:
     return Enrichment(checked, job_id=job_id, bytes_billed=billed)
 
 
-def charge_of(result: object) -> tuple[str | None, int]:
+def charge_of(result: object, ticket_id: str | None = None) -> tuple[str | None, int]:
     """The warehouse job id and bytes billed that a result reports, as far as they are
     valid themselves: a result refused for a bad order still cost what its lookup billed,
-    and that is charged (a job id or byte count that is itself bad counts as none)."""
+    and that is charged (a job id or byte count that is itself bad counts as none). An
+    error reports what the built-in lookup recorded on it for `ticket_id` (`charged`)."""
+    if isinstance(result, BaseException):
+        charges = getattr(result, CHARGE_ATTRIBUTE, None)
+        if not isinstance(charges, dict) or ticket_id not in charges:
+            return None, 0
+        result = Enrichment((), *charges[ticket_id])
     if not isinstance(result, Enrichment):
         return None, 0
     try:
@@ -400,21 +407,110 @@ def warehouse_lookup_batch(
     requester (by e-mail, case-insensitively), bytes billed shared out by `split_bytes`.
 
     On PostgreSQL the query runs under a statement timeout of the attempt's remaining time,
-    and is cancelled when the attempt is abandoned or its lease lost. A row the query
-    returns with a bad value (a NULL order id, say) fails its ticket alone, in `validate`.
+    and is cancelled when the attempt is abandoned or its lease lost; on BigQuery it runs
+    as a query job of enrichq's own making (`enrichq_service.bigquery`), bounded and
+    cancelled alike. A row the query returns with a bad value (a NULL order id, say) fails
+    its ticket alone, in `validate`. A value the warehouse itself cannot read (a total that
+    does not convert to a number) fails the whole query and names no ticket: the batch is
+    split in halves, and halves again (at most `SPLIT_DEPTH_MAX` times), until the tickets
+    whose rows fail are alone; the others complete. Every query that ran is charged, a
+    failed one shared among its tickets.
     """
-    emails = sorted({t.requester_email.lower() for t in tickets if t.requester_email})
-    found: dict[str, list[Order]] = {e: [] for e in emails}
-    job_id, billed = None, 0
-    if emails:
-        settings = context.settings
-        dialect = context.warehouse.dialect
-        stmt = _statement(
-            "enrich_warehouse_orders_batch",
-            ("emails",),
-            customers=qualified_parts(dialect, settings.customers_table),
-            orders=qualified_parts(dialect, settings.orders_table),
-        )
+    lookup = _BatchLookup(context)
+    lookup.run(list(tickets), depth=0)
+    out: dict[str, Enrichment | BaseException] = {}
+    for ticket in tickets:
+        job_id, billed = lookup.charges.get(ticket.id, (None, 0))
+        outcome = lookup.outcomes[ticket.id]
+        if isinstance(outcome, BaseException):
+            out[ticket.id] = charged(outcome, ticket.id, job_id, billed)
+        else:
+            out[ticket.id] = Enrichment(outcome, job_id=job_id, bytes_billed=billed)
+    return out
+
+
+# A batch whose query fails on its data is split in halves at most this often: enough to
+# isolate single tickets in the largest batch (ENRICHQ_LOOKUP_BATCH_SIZE is at most 1000).
+SPLIT_DEPTH_MAX = 10
+
+
+class _BatchLookup:
+    """The queries of one batch lookup: each ticket's orders (or error), and the job and
+    bytes each ticket is charged (its shares of every query it was part of)."""
+
+    def __init__(self, context: EnrichContext) -> None:
+        self.context = context
+        self.outcomes: dict[str, tuple[Order, ...] | BaseException] = {}
+        self.charges: dict[str, tuple[str | None, int]] = {}
+
+    def _charge(self, group: Sequence[Ticket], job_id: str | None, billed: int) -> None:
+        for ticket, share in zip(group, split_bytes(billed, len(group)), strict=True):
+            before_job, before = self.charges.get(ticket.id, (None, 0))
+            self.charges[ticket.id] = (job_id or before_job, before + share)
+
+    def run(self, group: list[Ticket], *, depth: int) -> None:
+        emails = sorted({t.requester_email.lower() for t in group if t.requester_email})
+        found: dict[str, list[Order]] = {e: [] for e in emails}
+        if emails:
+            try:
+                rows, job_id, billed = _query(self.context, emails)
+            except QueryFailed as failed:
+                self._charge(group, failed.job_id, failed.bytes_billed)
+                if (
+                    failed.data
+                    and len(group) > 1
+                    and depth < SPLIT_DEPTH_MAX
+                    and not self.context.cancelled.is_set()
+                ):
+                    half = len(group) // 2
+                    self.run(group[:half], depth=depth + 1)
+                    self.run(group[half:], depth=depth + 1)
+                    return
+                for ticket in group:
+                    self.outcomes[ticket.id] = failed.error
+                return
+            self._charge(group, job_id, billed)
+            for r in rows:
+                order = Order(_id(r.order_id), _id(r.customer_id), r.placed_at, r.total)
+                found.setdefault(str(r.email), []).append(order)
+        for ticket in group:
+            email = ticket.requester_email
+            self.outcomes[ticket.id] = tuple(found.get(email.lower(), [])) if email else ()
+
+
+class QueryFailed(Exception):
+    """A warehouse query failed: the error its tickets get, and what it billed. `data`:
+    the warehouse could not read a value (a query of fewer tickets may succeed)."""
+
+    def __init__(
+        self, error: BaseException, job_id: str | None, bytes_billed: int, *, data: bool
+    ) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.job_id = job_id
+        self.bytes_billed = bytes_billed
+        self.data = data
+
+
+class WarehouseDataError(PermanentError):
+    """The warehouse could not read this ticket's orders (a value that does not convert)."""
+
+
+def _query(context: EnrichContext, emails: list[str]) -> tuple[list[Any], str | None, int]:
+    """The batch statement's rows for `emails`, its warehouse job id and bytes billed;
+    QueryFailed when the warehouse refused it for its data (or, on BigQuery, for anything:
+    a BigQuery job bills even when it fails)."""
+    settings = context.settings
+    dialect = context.warehouse.dialect
+    stmt = _statement(
+        "enrich_warehouse_orders_batch",
+        ("emails",),
+        customers=qualified_parts(dialect, settings.customers_table),
+        orders=qualified_parts(dialect, settings.orders_table),
+    )
+    if dialect.name == "bigquery":
+        return _query_bigquery(context, stmt, emails)
+    try:
         with (
             context.warehouse.connect() as conn,
             conn.begin(),
@@ -424,15 +520,51 @@ def warehouse_lookup_batch(
             result = conn.execute(stmt, {"emails": emails})
             # before the rows are read: a result that has returned them all lets its cursor go
             job_id, billed = _warehouse_job(result)
-            for r in result:
-                order = Order(_id(r.order_id), _id(r.customer_id), r.placed_at, r.total)
-                found.setdefault(str(r.email), []).append(order)
-    shares = split_bytes(billed, len(tickets))
-    out: dict[str, Enrichment | BaseException] = {}
-    for ticket, share in zip(tickets, shares, strict=True):
-        orders = found.get(ticket.requester_email.lower(), []) if ticket.requester_email else []
-        out[ticket.id] = Enrichment(tuple(orders), job_id=job_id, bytes_billed=share)
-    return out
+            return list(result), job_id, billed
+    except sa.exc.DataError as exc:
+        error = WarehouseDataError(f"the warehouse could not read the orders: {error_text(exc)}")
+        raise QueryFailed(error, None, 0, data=True) from exc
+
+
+def _query_bigquery(
+    context: EnrichContext, stmt: sa.TextClause, emails: list[str]
+) -> tuple[list[Any], str | None, int]:
+    from enrichq_service import bigquery
+
+    with context.warehouse.connect() as conn:
+        try:
+            ran = bigquery.run(
+                conn,
+                stmt,
+                {"emails": emails},
+                kind=context.kind,
+                max_bytes=context.settings.max_bytes_per_query,
+                deadline=context.deadline,
+                interruptible=context.interruptible,
+            )
+        except bigquery.JobFailed as failed:
+            error = failed.error
+            if failed.data:
+                error = WarehouseDataError(f"the warehouse could not read the orders: {error}")
+            raise QueryFailed(error, failed.job_id, failed.bytes_billed, data=failed.data) from None
+    return ran.rows, ran.job_id, ran.bytes_billed
+
+
+# The attribute of an error returned for a ticket that says what its ticket is charged
+# (`charged`, `charge_of`): its share of the warehouse job that failed.
+CHARGE_ATTRIBUTE = "enrichq_charges"
+
+
+def charged(
+    error: BaseException, ticket_id: str, job_id: str | None, billed: int
+) -> BaseException:
+    """`error`, as one ticket's outcome, recording that ticket's charge on it (one error
+    may be the outcome of several tickets, each charged its own share)."""
+    if job_id is not None or billed:
+        charges: dict[str, tuple[str | None, int]] = getattr(error, CHARGE_ATTRIBUTE, None) or {}
+        charges[ticket_id] = (job_id, billed)
+        setattr(error, CHARGE_ATTRIBUTE, charges)
+    return error
 
 
 def _id(value: Any) -> Any:

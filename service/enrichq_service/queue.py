@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable, Mapping, Sequence
+import random
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
@@ -156,6 +157,18 @@ class Settle:
     until: datetime | None = None  # defer only; None = visible again now
 
 
+def backoff_seconds(
+    attempts: int, *, base_seconds: float, cap_seconds: float, draw: Callable[[], float]
+) -> float:
+    """Seconds a retried job waits before it is visible again: capped exponential backoff
+    with half-to-full jitter, min(cap, base·2^attempts)·(0.5 + draw()/2), draw() in [0, 1)."""
+    full = min(cap_seconds, base_seconds * 2.0 ** min(attempts, _LARGEST_EXPONENT))
+    return full * (0.5 + draw() / 2)
+
+
+_LARGEST_EXPONENT = 1000  # 2.0**1024 overflows; any cap is reached long before
+
+
 def delay_for(reason: str, settings: Settings) -> float:
     """Visibility delay of a reason: ride out replication lag after ticket events."""
     if reason == Reason.CREATED:
@@ -172,7 +185,10 @@ def enqueue(
     settings: Settings,
     now: datetime | None = None,
 ) -> list[EnqueueResult]:
-    """Enqueue a batch in one round trip; a (kind, key) already queued is merged."""
+    """Enqueue a batch in one round trip; a (kind, key) already queued is merged.
+
+    Event work becomes visible at the lookup window's next boundary after its delay
+    (`ENRICHQ_LOOKUP_WINDOW_SECONDS`); manual and redriven work when its delay ends."""
     if not requests:
         return []
     params = {
@@ -188,6 +204,7 @@ def enqueue(
         "max_attempts": [settings.max_attempts] * len(requests),
         "middle_priority": OWNERLESS_PRIORITY,
         "channel": NOTIFY_CHANNEL,
+        "window_seconds": float(settings.lookup_window_seconds),
         "now": now,
     }
     rows = conn.execute(SQL("queue_enqueue"), params).all()
@@ -338,6 +355,7 @@ def settle(
     backoff_base_seconds: float,
     backoff_cap_seconds: float,
     now: datetime | None = None,
+    draw: Callable[[], float] = random.random,
 ) -> dict[int, Outcome]:
     """Settle held jobs in one statement, each by its action; the outcome of each that won.
 
@@ -347,15 +365,20 @@ def settle(
     """
     if not settles:
         return {}
+    base, cap = backoff_base_seconds, backoff_cap_seconds
     params = {
         "ids": [s.job.id for s in settles],
         "tokens": [s.job.claim_token for s in settles],
         "actions": [s.action.value for s in settles],
         "errors": [None if s.error is None else _clip(s.error) for s in settles],
         "untils": [s.until for s in settles],
+        "delays": [
+            backoff_seconds(s.job.attempts, base_seconds=base, cap_seconds=cap, draw=draw)
+            if s.action is SettleAction.RETRY
+            else None
+            for s in settles
+        ],
         "owner": owner,
-        "backoff_base": float(backoff_base_seconds),
-        "backoff_cap": float(backoff_cap_seconds),
         "now": now,
     }
 

@@ -47,7 +47,8 @@ def run_serve(settings: Settings, url: str, *, wait_for_schema: bool = True) -> 
     # the port first: a port in use is a one-line error before any connection is made
     sock = bind_socket(settings.http_host, settings.http_port)
     try:
-        connections.preflight(settings, url)
+        # a pool mode the URL contradicts, or no mirror table: exit 2 in one line
+        connections.preflight(settings, url, mirror=True)
     except sa_exc.OperationalError as exc:
         # serve starts anyway: /readyz says the database is unavailable until it is back
         log.warning("database unavailable at start-up: %s", describe_database_error(exc))

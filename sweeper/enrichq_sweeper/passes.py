@@ -23,7 +23,7 @@ from enrichq_schema.process import process_id
 from enrichq_schema.settings import Settings
 from enrichq_schema.states import Component, DeadReason, StopReason
 from enrichq_schema.text import error_line
-from enrichq_sweeper import counts, recovery, refresh, retention
+from enrichq_sweeper import counts, reconcile, recovery, refresh, retention
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ class Task(StrEnum):
     RETENTION = "retention"
     REFRESH = "refresh"
     COUNTS = "counts"
+    RECONCILE = "reconcile"
 
 
 # What a pass's body returns: its run-log counts, and whether it was asked to stop.
@@ -228,6 +229,28 @@ def refresh_pass(
     if enqueued:
         log.info("enqueued %d refresh row(s)", enqueued)
     return {"enqueued": enqueued}, False
+
+
+@logged(Task.RECONCILE)
+def reconcile_pass(
+    engine: sa.Engine, settings: Settings, **options: Unpack[PassOptions]
+) -> PassCounts:
+    """One reconcile pass (tickets changed with no event for the change), logged and counted."""
+    result = reconcile.run_once(
+        engine, settings, now=options.get("now"), should_stop=options.get("should_stop")
+    )
+    for tenant, n in result.by_tenant.items():
+        metrics.reconciled_total.labels(tenant).inc(n)
+    if result.enqueued:
+        log.warning(
+            "reconcile: enqueued %d ticket(s) changed in the mirror with no event for the "
+            "change (events lost upstream), tenants: %s",
+            result.enqueued,
+            ", ".join(f"{t or '(none)'} {n}" for t, n in sorted(result.by_tenant.items())),
+        )
+    return {"enqueued": result.enqueued, "scanned": result.scanned, "pages": result.pages}, (
+        result.stopped
+    )
 
 
 @logged(Task.RETENTION)

@@ -2,7 +2,8 @@
 
 The leader runs lease recovery and the terminal counts of /metrics every
 ENRICHQ_SWEEP_INTERVAL_SECONDS, retention daily, the refresh enqueue every
-ENRICHQ_REFRESH_INTERVAL_SECONDS and, when
+ENRICHQ_REFRESH_INTERVAL_SECONDS, reconcile every ENRICHQ_RECONCILE_INTERVAL_SECONDS (0: never)
+and, when
 ENRICHQ_PARITY_INTERVAL_HOURS > 0, parity; the others retry the leader lock every few
 seconds and take over when the leader dies. APScheduler is imported only here, so the CLI
 stays quick to start.
@@ -73,6 +74,12 @@ class _Tasks:
     def refresh(self) -> bool:
         return passes.refresh_pass(self.engine, self.settings, owner=self.owner).ok
 
+    def reconcile(self) -> bool:
+        report = passes.reconcile_pass(
+            self.engine, self.settings, should_stop=self.should_stop, owner=self.owner
+        )
+        return report.ok
+
     def counts(self) -> bool:
         return passes.counts_pass(self.engine, self.settings, owner=self.owner).ok
 
@@ -96,6 +103,8 @@ class _Tasks:
             # the terminal counts /metrics reads, as fresh as lease recovery
             ("counts", self.counts, self.settings.sweep_interval_seconds),
         ]
+        if self.settings.reconcile_interval_seconds > 0:
+            jobs.append(("reconcile", self.reconcile, self.settings.reconcile_interval_seconds))
         if self.settings.parity_interval_hours > 0:
             hours = self.settings.parity_interval_hours
             jobs.append(("parity", self.parity, hours * SECONDS_PER_HOUR))
@@ -153,7 +162,9 @@ def run_sweeper(
     except HookError as exc:
         tell(f"invalid setting ENRICHQ_GAVE_UP_HOOK: {exc}")
         return Exit.USAGE
-    preflight(settings, url)  # a pool mode the URL contradicts: exit 2, before anything else
+    # a pool mode the URL contradicts, or no mirror table (refresh and reconcile read it):
+    # exit 2, before anything else
+    preflight(settings, url, mirror=True)
     owner = process_id()
     engine = create_engine(
         settings,

@@ -277,9 +277,13 @@ def test_only_a_keyboard_interrupt_a_sigint_may_have_raised_stops_the_caller(db_
     settings = make_settings(db_url)
     with warehouse(settings, db_url) as engine:
         context = EnrichContext(settings, engine)
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-        with pytest.raises(KeyboardInterrupt):
-            enrich_all(choice, [ticket("T-1")], context)
+        # Python's own handler, whatever the launcher left (a background job ignores SIGINT)
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                enrich_all(choice, [ticket("T-1")], context)
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
         def library(ticket: Ticket, context: EnrichContext) -> Enrichment:
             raise KeyboardInterrupt("a library's own")

@@ -28,18 +28,13 @@ from tests.support.settings import make_settings, parity_settings
 
 from enrichq_parity.model import (
     Fault,
-    Mismatch,
-    Tally,
     Thresholds,
     TicketClass,
-    by_fault,
     decide,
-    keep_top,
 )
 from enrichq_parity.parity import (
     ParityInputError,
     ParityReport,
-    day_windows,
     export_latest,
     run_parity,
     run_scheduled,
@@ -615,54 +610,6 @@ def test_verification_probes_the_warehouse_by_key(every_class: tuple[sa.Engine, 
     assert all("Index" in kind for _, kind in touched), touched
 
 
-def test_day_windows_cut_at_utc_midnight() -> None:
-    since = datetime(2024, 3, 1, 18, tzinfo=UTC)
-    until = datetime(2024, 3, 3, 6, tzinfo=UTC)
-    assert [(d.isoformat(), s.hour, e.hour) for d, s, e in day_windows(since, until)] == [
-        ("2024-03-01", 18, 0), ("2024-03-02", 0, 0), ("2024-03-03", 0, 6),
-    ]  # fmt: skip
-
-
-def test_decide_is_pure() -> None:
-    passing = Tally(exact=995, partial=5, legacy_orders=1000, matched_orders=995)
-    assert decide(passing, BARS).passed
-    low = decide(Tally(exact=999, partial=1, legacy_orders=1000, matched_orders=994), BARS)
-    assert (low.passed, low.reason) == (False, "order coverage 99.40% is below 99.50%")
-    faults = decide(
-        Tally(exact=98, shadow_missing=1, unverified=1, legacy_orders=1000, matched_orders=999),
-        BARS,
-    )
-    assert (faults.passed, faults.reason) == (
-        False, "shadow fault rate 2.00% is above 0.50% (shadow missing 1, unverified 1)",
-    )  # fmt: skip
-    # legacy faults: a pass, ready once an accepted rule covers each
-    review = Tally(exact=90, legacy_missing=6, extra_only=4, legacy_orders=94, matched_orders=94)
-    assert (decide(review, BARS).passed, decide(review, BARS).ready) == (True, False)
-    accepted = review + Tally(accepted_legacy_missing=6, accepted_extra_only=4)
-    assert decide(accepted, BARS).ready
-    assert decide(accepted, BARS).reason.endswith("; all 10 legacy-fault tickets accepted")
-
-
-def test_kept_mismatches_are_ranked_the_same_in_any_order() -> None:
-    def m(ticket: str, c: TicketClass, missing: int) -> Mismatch:
-        ids = tuple(f"{ticket}-{k}" for k in range(missing))
-        return Mismatch(ticket, "", c, NOW, None, None, missing, 0, ids, (), ())
-
-    day1 = [m("T1", TicketClass.PARTIAL, 1), m("T2", TicketClass.PARTIAL, 3)]
-    day2 = [m("T3", TicketClass.PARTIAL, 3), m("T4", TicketClass.PARTIAL, 2)]
-    one_way = keep_top(keep_top((), day1, limit=3), day2, limit=3)
-    other_way = keep_top(keep_top((), day2, limit=3), day1, limit=3)
-    assert [x.ticket_id for x in one_way] == [x.ticket_id for x in other_way] == ["T2", "T3", "T4"]
-    merged = by_fault(
-        {
-            TicketClass.PARTIAL: one_way,
-            TicketClass.UNVERIFIED: (m("T9", TicketClass.UNVERIFIED, 9),),
-        },
-        Fault.SHADOW,
-    )
-    assert [x.ticket_id for x in merged] == ["T9", "T2", "T3", "T4"]
-
-
 def test_the_scheduled_run_records_and_exports(db_engine: sa.Engine, db_url: str) -> None:
     _cli_world(db_engine, mismatch=True)
     run_scheduled(make_settings(db_url, delay_created_seconds=600), db_url)
@@ -748,15 +695,6 @@ def test_what_a_first_time_reviewer_reads_agrees_with_itself(
     # 30 tickets on day 1, 5 on day 2: the right axis counts tickets up to a round 50
     right_axis = re.findall(r'text-anchor="start">([^<]+)</text>', failing)
     assert right_axis == ["0", "25", "50", "tickets"]
-
-
-def test_the_template_ships_in_the_package() -> None:
-    """The report's template and stylesheet are package data, read through importlib."""
-    from importlib import resources
-
-    folder = resources.files("enrichq_parity").joinpath("templates")
-    assert folder.joinpath("report.html.j2").is_file()
-    assert folder.joinpath("report.css").is_file()
 
 
 # -- the command line -----------------------------------------------------------------------

@@ -365,7 +365,7 @@ class QueueMachine(RuleBasedStateMachine):
                 outcomes[row.id] = Outcome.RETRY
                 row.state = "queued"
                 row.release()
-                # backoff with half-to-full jitter: the database draws it, the model bounds it
+                # backoff with half-to-full jitter: the worker draws it, the model bounds it
                 full = timedelta(seconds=min(BACKOFF_CAP, BACKOFF_BASE * 2**row.attempts))
                 assert now + full / 2 - MICROSECOND <= visible[row.id] <= now + full + MICROSECOND
                 row.visible_at = visible[row.id]

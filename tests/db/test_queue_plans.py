@@ -154,8 +154,7 @@ def _settle(history: History) -> dict[str, Any]:
         "actions": [SETTLE_ACTIONS[i % 4] for i in range(n)],
         "errors": ["timeout"] * n,
         "untils": [None] * n,
-        "backoff_base": 5.0,
-        "backoff_cap": 300.0,
+        "delays": [5.0 if SETTLE_ACTIONS[i % 4] == "retry" else None for i in range(n)],
     }
 
 
@@ -206,6 +205,7 @@ STATEMENTS: dict[str, tuple[Queries, str, Callable[[History], dict[str, Any]], s
             "max_attempts": [5] * 20,
             "middle_priority": OWNERLESS_PRIORITY,
             "channel": NOTIFY_CHANNEL,
+            "window_seconds": 30.0,
             "now": None,
         },
         # a merge finds its queued row through the arbiter of ON CONFLICT (the queued-key

@@ -83,7 +83,7 @@ def test_the_queue_takes_the_largest_delays_lease_aging_and_backoff(
     db_url: str, db_engine: sa.Engine
 ) -> None:
     """Delays become now() + an interval, the lease make_interval(secs => …), the aging a
-    divisor, the backoff cap an interval after power(2, attempts) of the base."""
+    divisor, the backoff (capped before it reaches the statement) an interval."""
     settings = at_their_largest(db_url)
     with db_engine.begin() as conn:
         queue.enqueue(

@@ -21,6 +21,7 @@ from tests.support.plans import explain, scans_of, walk, work
 from enrichq_schema.db import create_engine
 from enrichq_schema.queries import load
 from enrichq_schema.states import KEY_MAX_LENGTH, OWNERLESS_PRIORITY
+from enrichq_sweeper import reconcile
 from enrichq_sweeper.refresh import ENRICHED_BEFORE_SECONDS, UPDATED_WITHIN_SECONDS
 
 SWEEPER_SQL = load("enrichq_sweeper", "sql/sweeper.sql")
@@ -166,6 +167,30 @@ def test_the_refresh_page_reads_one_page_of_recent_tickets(history: History) -> 
             "batch_size": PAGE,
         },
     )
+    for relation in ("tickets", "ticket_enrichments", "queue"):
+        assert_no_seq_scan(plan, relation)
+    assert rows_read(plan, "tickets") <= PAGE
+    inserted = next(n for n in walk(plan) if n["Node Type"] == "ModifyTable")["Actual Rows"]
+    assert inserted == PAGE  # one statement never enqueues more than a page
+
+
+def test_the_reconcile_page_reads_one_page_of_recent_tickets(history: History) -> None:
+    """Half the week's tickets changed after their lookup (due), beside 200,000 dead letters:
+    a page reads a page of the mirror through its (updated_at, id) index, and the queue and
+    the lookups only by key."""
+    params = {
+        "now": T0,
+        "priority": OWNERLESS_PRIORITY,
+        "max_attempts": 5,
+        "updated_within_seconds": reconcile.UPDATED_WITHIN_SECONDS,
+        "quiet_seconds": 600.0,
+        "key_max_length": KEY_MAX_LENGTH,
+        # the tickets changed since their lookup (two days ago)
+        "after_updated_at": T0 - timedelta(days=2, seconds=-1),
+        "after_id": "",
+        "batch_size": PAGE,
+    }
+    plan = analyzed(history, "reconcile_enqueue_page", params)
     for relation in ("tickets", "ticket_enrichments", "queue"):
         assert_no_seq_scan(plan, relation)
     assert rows_read(plan, "tickets") <= PAGE

@@ -12,8 +12,6 @@ import sqlalchemy as sa
 from tests.support.db import q
 from tests.support.procs import REPO, enrichq_env
 
-from enrichq_service.queue import EnqueueRequest, QueueInputError
-
 
 def _run(args: list[str | bytes], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -62,34 +60,6 @@ def test_blank_or_padded_ids_are_refused(
     [line] = done.stderr.strip().splitlines()
     assert line.startswith(f"enrichq: {problem}: ")
     assert q(db_engine, "SELECT count(*) FROM enrichq.queue") == [(0,)]
-
-
-@pytest.mark.parametrize(
-    "fields",
-    [
-        {"key": "   "},
-        {"key": " T-1"},
-        {"key": "T-1", "tenant": "  "},
-        {"key": "T-1", "tenant": "a "},
-    ],
-)
-def test_one_rule_for_ids_in_the_cli_and_http(fields: dict[str, str]) -> None:
-    from pydantic import ValidationError
-
-    from enrichq_service.http import Event
-
-    with pytest.raises(QueueInputError):
-        EnqueueRequest.build(key=fields["key"], tenant=fields.get("tenant"))
-    body = {
-        "id": "E-1",
-        "ticket_id": fields["key"],
-        "type": "updated",
-        "occurred_at": "2024-05-01T12:00:00Z",
-    }
-    if "tenant" in fields:
-        body["tenant"] = fields["tenant"]
-    with pytest.raises(ValidationError):
-        Event.model_validate(body)
 
 
 @pytest.mark.parametrize("option", ["connect_timeout=abc", "port=abc", "keepalives_idle=-1"])

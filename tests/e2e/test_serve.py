@@ -91,9 +91,11 @@ def test_event_posted_over_http_is_enriched(
 def test_ingest_stays_up_when_the_worker_inside_serve_stops(
     db_url: str, db_engine: sa.Engine, tmp_path: Path
 ) -> None:
-    """A misnamed help-desk table makes serve's worker stop on an error. Before, the whole
-    process exited 1 and the next POST got 'connection refused' (events lost upstream); now
-    ingest keeps accepting, /readyz says what stopped, /healthz does not ask for a restart."""
+    """The help-desk table renamed under a running serve makes its worker stop on an error
+    (a misnamed one is refused at start-up: tests/db/test_mirror_at_startup.py). Before, the
+    whole process exited 1 and the next POST got 'connection refused' (events lost
+    upstream); now ingest keeps accepting, /readyz says what stopped, /healthz does not ask
+    for a restart, and the stop is counted."""
     with db_engine.begin() as conn:
         seed.seed_world(conn, tickets=5)
     port = free_port()
@@ -106,13 +108,14 @@ def test_ingest_stays_up_when_the_worker_inside_serve_stops(
             webhook_secret=SECRET,
             delay_created_seconds=0,
             poll_seconds=0.2,
-            tickets_table="helpdesk.no_such_table",
         ),
         log=tmp_path / "serve.log",
     )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: answers(f"{base}/readyz"), timeout=60, what="/readyz")
+        with db_engine.begin() as conn:
+            conn.execute(sa.text("ALTER TABLE helpdesk.tickets RENAME TO tickets_gone"))
         first = post_event(base, SECRET, event("T-000001", tenant="acme"))
         assert first.status_code == 202, first.text
 
@@ -125,6 +128,9 @@ def test_ingest_stays_up_when_the_worker_inside_serve_stops(
         assert ready.status_code == 200
         assert "worker stopped on an error" in ready.json()["detail"]
         assert httpx.get(f"{base}/healthz").status_code == 200
+        assert 'enrichq_worker_errors_total{thread="serve"} 1.0' in httpx.get(
+            f"{base}/metrics"
+        ).text
         assert serve.poll() is None
         second = post_event(base, SECRET, event("T-000002", tenant="acme"))
         assert second.status_code == 202, second.text
@@ -133,3 +139,4 @@ def test_ingest_stays_up_when_the_worker_inside_serve_stops(
     finally:
         code = stop(serve)
     assert code == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    assert "serve: its worker stopped on an error" in (tmp_path / "serve.log").read_text()

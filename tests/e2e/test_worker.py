@@ -9,7 +9,6 @@ from tests.support.db import q
 from tests.support.settings import make_settings
 from tests.support.world import enqueue, seeded
 
-from enrichq_service.enrich import load_enricher
 from enrichq_service.worker import Worker
 
 EXPECTED_ORDERS = """
@@ -202,17 +201,6 @@ def test_budget_exhausted_defers_with_attempts_unchanged(db_url: str, db_engine:
         "+ interval '1 day') AT TIME ZONE 'UTC' FROM enrichq.queue WHERE state = 'queued'",
     )
     assert queued == [(0, True)] * 9
-
-
-def test_enricher_plug_in_path_errors_are_settings_errors() -> None:
-    import pytest
-
-    from enrichq_schema.errors import SettingsError
-
-    with pytest.raises(SettingsError, match="ENRICHQ_ENRICHER"):
-        load_enricher("tests.support.enrichers:nope")
-    with pytest.raises(SettingsError, match="ENRICHQ_ENRICHER"):
-        load_enricher("no.such.module:fn")
 
 
 def test_attempt_past_its_deadline_is_abandoned_and_retried(

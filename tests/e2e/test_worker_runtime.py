@@ -22,7 +22,7 @@ import pytest
 import sqlalchemy as sa
 from prometheus_client import REGISTRY
 from tests.support.commit_cutter import cutting
-from tests.support.db import q
+from tests.support.db import execute, q
 from tests.support.enrichers import BAD_FIELDS, BAD_KINDS, SURROGATE
 from tests.support.procs import enrichq_env, spawn, stop, wait_for
 from tests.support.settings import make_settings
@@ -376,6 +376,63 @@ def test_two_workers_overspend_the_daily_budget_by_at_most_one_lookup_each(
         db_engine, "SELECT count(*), max(attempts) FROM enrichq.queue WHERE state = 'queued'"
     )
     assert deferred == [(40 - lookups, 0)]
+
+
+def test_two_workers_overspend_by_at_most_one_batch_query_each(
+    db_url: str, db_engine: sa.Engine, tmp_path: Path
+) -> None:
+    """Batch lookups: budget 50,000 bytes, 2 workers of concurrency 4, batches of 10 tickets,
+    10,000 bytes a query (1,000 a ticket). The admission must reserve what a query costs,
+    not what a lookup-log row (a ticket) does, or it lets 10 times too many queries run:
+    the bound is 50,000 + 2 × 10,000."""
+    seeded(db_engine, 400)
+    env = enrichq_env(
+        db_url,
+        batch_enricher="tests.support.enrichers:priced_batch",
+        lookup_batch_size=10,
+        daily_bytes_budget=50_000,
+        concurrency=4,
+        ENRICHQ_TEST_SLOW_SECONDS=0.5,
+        ENRICHQ_TEST_QUERY_BYTES=10_000,
+    )
+    workers = [spawn(["worker", "--drain"], env, log=tmp_path / f"w{i}.log") for i in range(2)]
+    codes = [w.wait(120) for w in workers]
+    assert codes == [0, 0], [(tmp_path / f"w{i}.log").read_text() for i in range(2)]
+    [(billed,)] = q(db_engine, "SELECT bytes_billed FROM enrichq.budget_ledger")
+    assert billed <= 50_000 + 2 * 10_000, f"{billed} bytes charged against a budget of 50,000"
+    assert q(db_engine, "SELECT sum(bytes_billed) FROM enrichq.lookup_log") == [(billed,)]
+    assert q(db_engine, "SELECT count(*) FROM enrichq.lookups_in_flight") == [(0,)]
+
+
+def test_two_workers_overspend_by_at_most_one_lookup_each_when_costs_rise(
+    db_url: str, db_engine: sa.Engine, tmp_path: Path
+) -> None:
+    """Yesterday a lookup cost 20,000 bytes on average; today each costs 40,000. Budget
+    100,000, 2 workers of concurrency 4: reserving yesterday's average lets 8 lookups
+    run at once at twice what they reserved; the bound is 100,000 + 2 × 40,000."""
+    seeded(db_engine, 40)
+    execute(
+        db_engine,
+        "INSERT INTO enrichq.budget_ledger (day, bytes_billed, lookups)"
+        " VALUES (CAST(timezone('UTC', now()) AS date) - 1, 200000, 10)",
+    )
+    env = enrichq_env(
+        db_url,
+        enricher="tests.support.enrichers:priced",
+        daily_bytes_budget=100_000,
+        concurrency=4,
+        ENRICHQ_TEST_SLOW_SECONDS=0.5,
+        ENRICHQ_TEST_QUERY_BYTES=40_000,
+    )
+    workers = [spawn(["worker", "--drain"], env, log=tmp_path / f"w{i}.log") for i in range(2)]
+    codes = [w.wait(120) for w in workers]
+    assert codes == [0, 0], [(tmp_path / f"w{i}.log").read_text() for i in range(2)]
+    [(billed,)] = q(
+        db_engine,
+        "SELECT bytes_billed FROM enrichq.budget_ledger"
+        " WHERE day = CAST(timezone('UTC', now()) AS date)",
+    )
+    assert billed <= 100_000 + 2 * 40_000, f"{billed} bytes charged against a budget of 100,000"
 
 
 # -- 6. lookup times come from the database clock, at the lookup's start

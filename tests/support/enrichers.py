@@ -415,3 +415,33 @@ def ignores_cancellation(ticket: Ticket, context: EnrichContext) -> Enrichment:
             f.write(str(os.getpid()))
     time.sleep(float(os.environ.get("ENRICHQ_TEST_SLOW_SECONDS", "3")))
     return Enrichment((Order(f"O-{ticket.id}"),), job_id=f"late-{ticket.id}", bytes_billed=500)
+
+
+def window_probe(tickets: Sequence[Ticket], context: EnrichContext) -> Mapping[str, Enrichment]:
+    """A warehouse call that records itself in ENRICHQ_TEST_STARTED_DIR: a file per call,
+    named `pid-start` (monotonic ns), holding how many tickets it got."""
+    folder = os.environ["ENRICHQ_TEST_STARTED_DIR"]
+    with open(os.path.join(folder, f"{os.getpid()}-{time.monotonic_ns()}"), "w") as f:
+        f.write(str(len(tickets)))
+    return {t.id: Enrichment((Order(f"O-{t.id}"),), job_id="window-probe") for t in tickets}
+
+
+def priced_batch(tickets: Sequence[Ticket], context: EnrichContext) -> Mapping[str, Enrichment]:
+    """A batch lookup that takes ENRICHQ_TEST_SLOW_SECONDS and bills ENRICHQ_TEST_QUERY_BYTES
+    for the query, shared among its tickets (budget tests)."""
+    from enrichq_service.enrich import split_bytes
+
+    time.sleep(float(os.environ.get("ENRICHQ_TEST_SLOW_SECONDS", "0.5")))
+    billed = int(os.environ.get("ENRICHQ_TEST_QUERY_BYTES", "10000"))
+    shares = split_bytes(billed, len(tickets))
+    return {
+        t.id: Enrichment((Order(f"O-{t.id}"),), job_id=f"query-{tickets[0].id}", bytes_billed=s)
+        for t, s in zip(tickets, shares, strict=True)
+    }
+
+
+def priced(ticket: Ticket, context: EnrichContext) -> Enrichment:
+    """A lookup that takes ENRICHQ_TEST_SLOW_SECONDS and bills ENRICHQ_TEST_QUERY_BYTES."""
+    time.sleep(float(os.environ.get("ENRICHQ_TEST_SLOW_SECONDS", "0.5")))
+    billed = int(os.environ.get("ENRICHQ_TEST_QUERY_BYTES", "10000"))
+    return Enrichment((Order(f"O-{ticket.id}"),), job_id=f"job-{ticket.id}", bytes_billed=billed)

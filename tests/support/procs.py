@@ -21,6 +21,8 @@ def enrichq_env(db_url: str, **settings: object) -> dict[str, str]:
     env["ENRICHQ_DATABASE_URL"] = db_url
     env.setdefault("ENRICHQ_METRICS_PORT", "0")
     env.setdefault("ENRICHQ_LOG_LEVEL", "WARNING")
+    # work visible the moment its delay ends unless a test sets a lookup window
+    env.setdefault("ENRICHQ_LOOKUP_WINDOW_SECONDS", "0")
     for name, value in settings.items():
         env[name if name.startswith("ENRICHQ_") else f"ENRICHQ_{name.upper()}"] = str(value)
     return env

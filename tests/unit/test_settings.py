@@ -205,7 +205,7 @@ def test_the_built_in_batch_lookup_is_the_default_enricher() -> None:
     assert (default.batch, default.per_ticket, default.unit_size) == (
         warehouse_lookup_batch,
         None,
-        50,
+        200,
     )
     single = choose(Settings.load(enricher="enrichq_service.enrich:warehouse_lookup"))
     assert (single.per_ticket, single.batch, single.unit_size) == (warehouse_lookup, None, 1)
@@ -333,3 +333,25 @@ def test_any_number_is_refused_in_one_line_or_accepted_finite_within_itsbounds(
     low, high = bounds(name)
     assert math.isfinite(value)
     assert low <= value <= high
+
+
+def test_the_lookup_window_is_bounded_and_defaults_to_thirty_seconds() -> None:
+    assert Settings.load().lookup_window_seconds == 30
+    assert Settings.load(lookup_window_seconds=0).lookup_window_seconds == 0
+    for bad in (-1, 3601, float("nan"), float("inf")):
+        with pytest.raises(SettingsError, match="ENRICHQ_LOOKUP_WINDOW_SECONDS"):
+            Settings.load(lookup_window_seconds=bad)
+
+
+OLD_SECRET = "whsec-old-8e2c41"
+NEW_SECRET = "whsec-new-f07a93"
+
+
+def test_an_empty_secret_in_the_list_is_refused_without_showing_the_others() -> None:
+    from enrichq_schema.errors import SettingsError
+
+    with pytest.raises(SettingsError) as info:
+        Settings.load(webhook_secret=f"{NEW_SECRET},,{OLD_SECRET}")
+    assert "ENRICHQ_WEBHOOK_SECRET" in str(info.value)
+    assert NEW_SECRET not in str(info.value)
+    assert OLD_SECRET not in str(info.value)

@@ -83,3 +83,31 @@ def test_log_records_stay_one_line_and_tracebacks_keep_theirs() -> None:
     assert lines[1] == "ERROR hook failed for T-\\n2"
     assert lines[2] == "Traceback (most recent call last):"
     assert lines[-1] == "ValueError: boom"
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"key": "   "},
+        {"key": " T-1"},
+        {"key": "T-1", "tenant": "  "},
+        {"key": "T-1", "tenant": "a "},
+    ],
+)
+def test_one_rule_for_ids_in_the_cli_and_http(fields: dict[str, str]) -> None:
+    from pydantic import ValidationError
+
+    from enrichq_service.http import Event
+
+    with pytest.raises(QueueInputError):
+        EnqueueRequest.build(key=fields["key"], tenant=fields.get("tenant"))
+    body = {
+        "id": "E-1",
+        "ticket_id": fields["key"],
+        "type": "updated",
+        "occurred_at": "2024-05-01T12:00:00Z",
+    }
+    if "tenant" in fields:
+        body["tenant"] = fields["tenant"]
+    with pytest.raises(ValidationError):
+        Event.model_validate(body)

@@ -100,60 +100,72 @@ summary AS MATERIALIZED (
            count(*) FILTER (WHERE d.excluded = 'too_young') AS too_young,
            count(*) FILTER (WHERE d.excluded = 'open_queue_rows') AS open_queue_rows,
            count(*) FILTER (WHERE d.excluded = 'not_enriched') AS not_enriched,
-           count(*) FILTER (WHERE c.same) AS exact,
-           coalesce(sum(c.shadow_orders) FILTER (WHERE c.same), 0) AS exact_orders,
-           array_agg(d.ticket_id) FILTER (WHERE NOT c.same) AS differing_ids,
-           array_agg(d.created_at) FILTER (WHERE NOT c.same) AS differing_created_at,
-           array_agg(d.requester_email) FILTER (WHERE NOT c.same) AS differing_emails
+           count(*) FILTER (WHERE d.excluded IS NULL AND d.same) AS exact,
+           coalesce(sum(d.shadow_orders) FILTER (WHERE d.excluded IS NULL AND d.same), 0)
+               AS exact_orders,
+           array_agg(d.ticket_id) FILTER (WHERE d.excluded IS NULL AND NOT d.same)
+               AS differing_ids,
+           array_agg(d.created_at) FILTER (WHERE d.excluded IS NULL AND NOT d.same)
+               AS differing_created_at,
+           array_agg(d.requester_email) FILTER (WHERE d.excluded IS NULL AND NOT d.same)
+               AS differing_emails
     FROM (
-        -- the day's tickets, each with the reason it is left out (NULL: compared)
-        SELECT CAST(t.id AS text) AS ticket_id,
-               coalesce(CAST(t.tenant AS text), '') AS tenant,
-               CAST(t.requester_email AS text) AS requester_email,
-               t.created_at,
+        -- the day's tickets, each with the reason it is left out (NULL: compared) and
+        -- whether its two order sets are equal. OFFSET 0: each ticket's reason is worked
+        -- out once, not once per aggregate that filters on it.
+        SELECT p.ticket_id,
+               p.tenant,
+               p.requester_email,
+               p.created_at,
                CASE
-                   WHEN t.created_at > CAST(:young_after AS timestamptz) THEN 'too_young'
-                   WHEN o.key IS NOT NULL THEN 'open_queue_rows'
+                   WHEN p.young THEN 'too_young'
+                   WHEN p.open THEN 'open_queue_rows'
                    -- never looked up by enrichq, no legacy order: two empty sides are no
                    -- match, nothing was compared
-                   WHEN NOT EXISTS (
-                            SELECT 1 FROM enrichq.ticket_enrichments AS e
-                            WHERE e.ticket_id = CAST(t.id AS text))
-                        AND NOT EXISTS (
-                            SELECT 1 FROM {legacy} AS l
-                            WHERE CAST(l.ticket_id AS text) = CAST(t.id AS text)
-                              AND l.order_id IS NOT NULL)
+                   -- (a scalar subquery, one row at most, probed only when reached: NOT
+                   -- EXISTS could be planned as a hash of every enrichment row)
+                   WHEN cardinality(c.legacy_ids) = 0
+                        AND (
+                            SELECT true FROM enrichq.ticket_enrichments AS e
+                            WHERE e.ticket_id = p.ticket_id
+                        ) IS NULL
                        THEN 'not_enriched'
-               END AS excluded
-        FROM {tickets} AS t
-        LEFT JOIN open_keys AS o ON o.key = CAST(t.id AS text)
-        WHERE t.created_at >= CAST(:day_start AS timestamptz)
-          AND t.created_at < CAST(:day_end AS timestamptz)
-    ) AS d
-    -- each compared ticket's two order sets, two index probes, reduced at once to whether
-    -- they are equal (so only a boolean and a count reach the grouping, which hashes 20-odd
-    -- tenants instead of sorting the day). Equal sorted arrays are equal sets; a legacy
-    -- order written twice makes them differ here, and the differing tickets below compare
-    -- as sets and count such a ticket exact after all. Ids compare as text whatever the
-    -- legacy columns' types (as the worker and the consumer view compare them), sorted
-    -- bytewise on both sides. OFFSET 0 builds each array once.
-    LEFT JOIN LATERAL (
-        SELECT x.legacy_ids = x.shadow_ids AS same, cardinality(x.shadow_ids) AS shadow_orders
+               END AS excluded,
+               -- equal as sets: each holds the other (a legacy order written twice too)
+               c.legacy_ids @> c.shadow_ids AND c.shadow_ids @> c.legacy_ids AS same,
+               cardinality(c.shadow_ids) AS shadow_orders
         FROM (
+            SELECT CAST(t.id AS text) AS ticket_id,
+                   coalesce(CAST(t.tenant AS text), '') AS tenant,
+                   CAST(t.requester_email AS text) AS requester_email,
+                   t.created_at,
+                   t.created_at > CAST(:young_after AS timestamptz) AS young,
+                   o.key IS NOT NULL AS open
+            FROM {tickets} AS t
+            LEFT JOIN open_keys AS o ON o.key = CAST(t.id AS text)
+            WHERE t.created_at >= CAST(:day_start AS timestamptz)
+              AND t.created_at < CAST(:day_end AS timestamptz)
+        ) AS p
+        -- each ticket old enough and not in the queue: its two order sets, two index
+        -- probes (enrichment is probed for only when legacy has no order), reduced above to
+        -- whether they are equal (so only a boolean and a count reach the grouping). The
+        -- arrays are not sorted: a sort per ticket would cost more than the comparison.
+        -- Ids compare as text whatever the legacy columns' types (as the worker and the
+        -- consumer view compare them). OFFSET 0 builds each array once.
+        LEFT JOIN LATERAL (
             SELECT ARRAY(
                        SELECT CAST(l.order_id AS text) FROM {legacy} AS l
-                       WHERE CAST(l.ticket_id AS text) = d.ticket_id
+                       WHERE CAST(l.ticket_id AS text) = p.ticket_id
                          AND l.order_id IS NOT NULL
-                       ORDER BY CAST(l.order_id AS text) COLLATE "C"
                    ) AS legacy_ids,
                    ARRAY(
                        SELECT s.order_id FROM enrichq.ticket_orders AS s
-                       WHERE s.ticket_id = d.ticket_id
-                       ORDER BY s.order_id COLLATE "C"
+                       WHERE s.ticket_id = p.ticket_id
                    ) AS shadow_ids
             OFFSET 0
-        ) AS x
-    ) AS c ON d.excluded IS NULL
+        ) AS c ON NOT p.young AND NOT p.open
+        OFFSET 0
+    ) AS d
     GROUP BY d.tenant
 ),
 -- the differing tickets: the orders on one side only (sorted), when legacy looked the
@@ -238,7 +250,8 @@ checked AS MATERIALIZED (
         ) AS o
     ) AS v
 ),
--- every differing ticket with its counts and its class (equal as sets after all: exact)
+-- every differing ticket with its counts and its class (the summary already counted a
+-- ticket whose sets are equal exact; the last branch is kept for completeness)
 classified AS MATERIALIZED (
     SELECT ticket_id,
            tenant,
@@ -386,24 +399,35 @@ ORDER BY row_kind, ticket_id
 -- the tickets enrichq enriched and its order rows; then one row (tenant NULL) for the
 -- tickets with rows in {legacy} that {tickets} lacks, and how many of them enrichq never
 -- enriched (only when :legacy_only: the costliest pass, which only a whole cutover needs;
--- else that row says 0). One pass over each table, hashed: once per parity run and cutover.
+-- else that row says 0). Once per parity run and cutover, hashed passes: the mirror's
+-- tickets counted per tenant; the mirror hashed once, probed by both shadow tables' rows.
 WITH mirror AS (
     SELECT coalesce(CAST(t.tenant AS text), '') AS tenant,
            count(*) AS tickets,
-           count(*) FILTER (
-               WHERE e.ticket_id IS NULL AND t.created_at <= CAST(:young_after AS timestamptz)
-           ) AS not_enriched,
-           count(e.ticket_id) AS enriched
+           count(*) FILTER (WHERE t.created_at <= CAST(:young_after AS timestamptz)) AS old
     FROM {tickets} AS t
-    LEFT JOIN enrichq.ticket_enrichments AS e ON e.ticket_id = CAST(t.id AS text)
     GROUP BY 1
 ),
+-- per tenant, the tickets enrichq enriched (and of them those created before
+-- :young_after) and enrichq's order rows; a ticket not enriched is an old one without
+-- an enrichment row (ticket_enrichments holds one row per ticket)
 shadow AS (
-    SELECT coalesce(CAST(t.tenant AS text), '') AS tenant, count(*) AS shadow_orders
-    FROM enrichq.ticket_orders AS s
+    SELECT coalesce(CAST(t.tenant AS text), '') AS tenant,
+           count(*) FILTER (WHERE s.enrichment) AS enriched,
+           count(*) FILTER (
+               WHERE s.enrichment AND t.created_at <= CAST(:young_after AS timestamptz)
+           ) AS enriched_old,
+           count(*) FILTER (WHERE NOT s.enrichment) AS shadow_orders
+    FROM (
+        SELECT e.ticket_id, true AS enrichment FROM enrichq.ticket_enrichments AS e
+        UNION ALL
+        SELECT o.ticket_id, false FROM enrichq.ticket_orders AS o
+    ) AS s
     JOIN {tickets} AS t ON CAST(t.id AS text) = s.ticket_id
     GROUP BY 1
 ),
+-- the mirror's lack is found row by row first (an anti join), then the few ticket ids it
+-- leaves are made distinct: distinct first would hash every legacy ticket id
 legacy_only AS (
     SELECT l.ticket_id,
            EXISTS (
@@ -413,10 +437,16 @@ legacy_only AS (
         SELECT DISTINCT CAST(x.ticket_id AS text) AS ticket_id
         FROM {legacy} AS x
         WHERE CAST(:legacy_only AS boolean)
+          AND NOT EXISTS (
+              SELECT 1 FROM {tickets} AS t
+              WHERE CAST(t.id AS text) = CAST(x.ticket_id AS text)
+          )
     ) AS l
-    WHERE NOT EXISTS (SELECT 1 FROM {tickets} AS t WHERE CAST(t.id AS text) = l.ticket_id)
 )
-SELECT m.tenant, m.tickets, m.not_enriched, m.enriched,
+SELECT m.tenant,
+       m.tickets,
+       m.old - coalesce(s.enriched_old, 0) AS not_enriched,
+       coalesce(s.enriched, 0) AS enriched,
        coalesce(s.shadow_orders, 0) AS shadow_orders
 FROM mirror AS m
 LEFT JOIN shadow AS s ON s.tenant = m.tenant

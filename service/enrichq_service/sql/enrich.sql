@@ -71,7 +71,8 @@ ON CONFLICT (ticket_id, order_id) DO NOTHING;
 -- name: enrich_log_lookups
 -- Records each lookup once per claim (queue id and claim token: a settle that runs again
 -- after a lost COMMIT reply records nothing twice), adds what it recorded now to today's
--- (UTC) budget ledger, and releases the lookups' fleet-wide reservations (:admissions).
+-- (UTC) budget ledger, and releases the lookups' fleet-wide reservations (:admissions),
+-- counting the queries whose cost they learned (and the costliest) on the ledger.
 -- Returns how many rows it recorded now.
 WITH clock AS (
     SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
@@ -94,26 +95,34 @@ logged AS (
     ON CONFLICT (queue_id, claim_token) DO NOTHING
     RETURNING l.bytes_billed
 ),
+-- the lookups' fleet-wide reservations, released (:admissions); each that learned its
+-- query's real cost counts that query on the ledger (once: its row goes with the first
+-- settle of its batch)
+released AS (
+    DELETE FROM enrichq.lookups_in_flight AS f
+    WHERE f.token = ANY(CAST(:admissions AS uuid[]))
+    RETURNING f.cost
+),
 -- The day's sum saturates at bigint's largest value instead of overflowing (numeric
 -- arithmetic, then least): a ledger that reached it (one lookup's bill is at most 2^50
 -- since enrichq_service.enrich.BYTES_MAX, but a row written before may be larger) means
 -- "every budget spent", and never refuses the settles of the rest of the day.
 charged AS (
-    INSERT INTO enrichq.budget_ledger AS b (day, bytes_billed, lookups, updated_at)
+    INSERT INTO enrichq.budget_ledger AS b
+        (day, bytes_billed, lookups, queries, query_bytes_max, updated_at)
     SELECT CAST(timezone('UTC', clock.now) AS date),
-           CAST(least(sum(g.bytes_billed), 9223372036854775807) AS bigint), count(*), clock.now
-    FROM logged AS g
-    CROSS JOIN clock
-    GROUP BY clock.now
+           CAST(least(coalesce(g.bytes, 0), 9223372036854775807) AS bigint), g.n, r.n,
+           coalesce(r.largest, 0), clock.now
+    FROM clock
+    CROSS JOIN (SELECT sum(l.bytes_billed) AS bytes, count(*) AS n FROM logged AS l) AS g
+    CROSS JOIN (SELECT count(x.cost) AS n, max(x.cost) AS largest FROM released AS x) AS r
+    WHERE g.n > 0 OR r.n > 0
     ON CONFLICT (day) DO UPDATE
     SET bytes_billed = CAST(least(CAST(b.bytes_billed AS numeric) + excluded.bytes_billed,
                                   9223372036854775807) AS bigint),
-        lookups = b.lookups + excluded.lookups, updated_at = excluded.updated_at
-    RETURNING 1
-),
-released AS (
-    DELETE FROM enrichq.lookups_in_flight AS f
-    WHERE f.token = ANY(CAST(:admissions AS uuid[]))
+        lookups = b.lookups + excluded.lookups, queries = b.queries + excluded.queries,
+        query_bytes_max = greatest(b.query_bytes_max, excluded.query_bytes_max),
+        updated_at = excluded.updated_at
     RETURNING 1
 )
 SELECT (SELECT count(*) FROM logged) AS logged,
@@ -136,9 +145,11 @@ FROM enrichq.admission_take(
 
 
 -- name: admission_reserve
--- Sets the bytes reserved by admitted lookup :token (once its real cost is known, before
--- its settle charges it).
-UPDATE enrichq.lookups_in_flight SET reserved_bytes = :bytes WHERE token = CAST(:token AS uuid);
+-- Records the real cost of admitted lookup :token's query once it returned (:bytes), which
+-- it holds until its settle charges it, and which tells the next admissions what a query
+-- costs now.
+UPDATE enrichq.lookups_in_flight SET reserved_bytes = :bytes, cost = :bytes
+WHERE token = CAST(:token AS uuid);
 
 
 -- name: admission_release

@@ -17,7 +17,8 @@
 -- One queued row per input unless (kind, key) is queued already (merge, via the partial
 -- unique index: the queued row is kept and its merged_at set); returns every input with the
 -- id of the row it inserted or merged into, and sends NOTIFY when something became visible
--- now.
+-- now. An event's row becomes visible after its delay, rounded up to the lookup window's
+-- boundary (:window_seconds, 0 = not rounded).
 WITH input AS (
     SELECT *
     FROM unnest(
@@ -44,9 +45,22 @@ inserted AS (
         (kind, key, tenant, priority, reason, payload, visible_at, max_attempts)
     SELECT i.kind, i.key, i.tenant, coalesce(t.priority, :middle_priority),
            i.reason, i.payload,
-           coalesce(CAST(:now AS timestamptz), now()) + make_interval(secs => i.delay_s),
+           -- the lookup window (ENRICHQ_LOOKUP_WINDOW_SECONDS, :window_seconds > 0): event
+           -- work becomes visible at the next multiple of the window since the epoch, in
+           -- cohorts the fleet claims together (one lookup for many tickets); manual and
+           -- redriven work is exempt (a person is waiting for it)
+           CASE WHEN CAST(:window_seconds AS float8) > 0
+                     AND i.reason NOT IN ('manual', 'redrive')
+                THEN to_timestamp(
+                         ceil(extract(epoch FROM v.at) / CAST(:window_seconds AS float8))
+                         * CAST(:window_seconds AS float8))
+                ELSE v.at END,
            i.max_attempts
     FROM firsts AS i
+    CROSS JOIN LATERAL (
+        SELECT coalesce(CAST(:now AS timestamptz), now()) + make_interval(secs => i.delay_s)
+            AS at
+    ) AS v
     LEFT JOIN enrichq.tenants AS t ON t.tenant = i.tenant
     ORDER BY i.key COLLATE "C", i.kind COLLATE "C", i.ord
     ON CONFLICT (kind, key) WHERE state = 'queued'
@@ -233,9 +247,8 @@ RETURNING q.id;
 -- :actions[i]), locking them all first in the global order:
 --   complete → done (the caller writes the results of exactly the rows that won);
 --   fail     → failed, for good, with :errors[i];
---   retry    → queued after capped exponential backoff with half-to-full jitter,
---              min(cap, base·2^attempts)·(0.5 + random()/2), with :errors[i]; its attempts
---              spent → dead_letter (attempts_exhausted);
+--   retry    → queued :delays[i] seconds from now (the caller's backoff), with :errors[i];
+--              its attempts spent → dead_letter (attempts_exhausted);
 --   defer    → queued at :untils[i] (NULL: now), the claim's attempt given back.
 -- A retry or defer whose key is queued already is dead-lettered as superseded by that row.
 -- Returns (id, state, dead_reason) of the rows that won.
@@ -244,11 +257,12 @@ WITH clock AS (
 ),
 held AS MATERIALIZED (
     SELECT q.id, q.kind, q.key, q.attempts >= q.max_attempts AS spent, s.action, s.error,
-           s.until
+           s.until, s.delay
     FROM enrichq.queue AS q
     JOIN unnest(CAST(:ids AS bigint[]), CAST(:tokens AS uuid[]), CAST(:actions AS text[]),
-                CAST(:errors AS text[]), CAST(:untils AS timestamptz[]))
-        AS s (id, token, action, error, until)
+                CAST(:errors AS text[]), CAST(:untils AS timestamptz[]),
+                CAST(:delays AS float8[]))
+        AS s (id, token, action, error, until, delay)
         ON q.id = s.id AND q.claim_token = s.token
     CROSS JOIN clock
     WHERE q.state = 'leased' AND q.lease_owner = :owner AND q.lease_expires_at > clock.now
@@ -256,7 +270,7 @@ held AS MATERIALIZED (
     FOR UPDATE OF q
 ),
 decided AS (
-    SELECT h.id, h.action, h.error, h.until,
+    SELECT h.id, h.action, h.error, h.until, h.delay,
            h.action = 'retry' AND h.spent AS exhausted,
            CASE WHEN h.action IN ('retry', 'defer') THEN (
                SELECT o.id FROM enrichq.queue AS o
@@ -276,10 +290,7 @@ SET state = CASE WHEN d.action = 'complete' THEN 'done'
                             OR d.queued_id IS NOT NULL THEN clock.now END,
     visible_at = CASE
         WHEN d.exhausted OR d.queued_id IS NOT NULL THEN q.visible_at
-        WHEN d.action = 'retry' THEN clock.now + make_interval(secs =>
-            least(CAST(:backoff_cap AS float8),
-                  CAST(:backoff_base AS float8) * power(2, q.attempts))
-            * (0.5 + random() / 2))
+        WHEN d.action = 'retry' THEN clock.now + make_interval(secs => d.delay)
         WHEN d.action = 'defer' THEN greatest(coalesce(d.until, clock.now), clock.now)
         ELSE q.visible_at END,
     attempts = CASE WHEN d.action = 'defer' THEN greatest(q.attempts - 1, 0)

@@ -12,11 +12,14 @@ this worker's heartbeat extends its rows for as long as they are there (also whi
 lookup whose attempt was abandoned still runs); a worker that dies leaves its rows behind
 only until they expire, one lease after its last heartbeat.
 
-The expected cost of a lookup is the latest day's average (the ledger knows it, 0 bytes
-included), or, before any lookup was charged, the real cost of a lookup that ran and is
-not settled yet. With nothing known at all, a worker admits one lookup at a time until its
-first one has cost something; that lookup then reserves what it really cost, before its
-settle. So the fleet overspends its budget by at most one lookup per worker.
+The expected cost of a lookup is per warehouse *query* (a batch is one query, however many
+tickets share its bytes): today's worst, the costliest query the ledger charged today or a
+lookup in flight learned (migration 0018), so a rise is reserved at once, also for the
+lookups still running that were admitted at less. Before any cost of today is known, a
+lookup reserves the latest earlier day's average per query, and counts as one of unknown
+cost: a worker admits one such lookup at a time until its first one has returned. Every
+lookup that returns records its real cost, held until its settle charges it. So the fleet
+overspends its budget by at most one lookup per worker.
 
 The database being unavailable during an admission (a connection terminated, a statement
 timed out) is waited out with backoff, as the claim loop does: the jobs still have not
@@ -171,7 +174,10 @@ class Admission:
         if admitted.token is None:
             return
         try:
-            if admitted.unknown_cost and billed:
+            # every query's real cost (a known estimate may be below it: a rise), so the
+            # fleet's next admissions reserve what a query costs now
+            # (a query that billed nothing, one that failed say, teaches nothing)
+            if self._settings.daily_bytes_budget > 0 and billed > 0:
                 with self._engine.begin() as conn:
                     conn.execute(
                         SQL("admission_reserve"), {"token": admitted.token, "bytes": billed}

@@ -281,6 +281,7 @@ class Runner:
             cancelled,
             deadline,
             lambda fn: self._jobs.interruptible(held, fn),
+            kind="-".join(sorted({h.job.kind for h in held})),
         )
         tickets = [h.ticket for h in held if h.ticket is not None]  # all are: _precheck
         values: Mapping[str, object]
@@ -320,7 +321,8 @@ def _checked(held: Held, value: object) -> Outcome:
     """One job's outcome from what the plug-in gave for it: an exception as it is, a result
     validated where it enters (an invalid one fails this job alone, still charged)."""
     if isinstance(value, BaseException):
-        return Outcome(held, value)
+        # a failed warehouse job still billed: the built-in lookup records each share on it
+        return Outcome(held, value, *charge_of(value, held.job.key))
     try:
         checked = validate(value)
     except PermanentError as exc:

@@ -66,6 +66,9 @@ FLUSH_SECONDS = 10.0
 # On shutdown, how long lookups told to stop at the end of the grace may take to return
 # (what they cost is then charged; one still running is recorded at an unknown cost).
 LATE_LOOKUP_SECONDS = 5.0
+# How long after a lookup window's boundary an idle worker claims: its cohort is visible
+# by then (its rows were committed before the boundary).
+WINDOW_WAKE_SLACK_SECONDS = 0.05
 DEADLINE_EXCEEDED = "attempt deadline of {seconds:g} s exceeded"
 SHUT_DOWN_MID_ATTEMPT = "worker shut down mid-attempt"
 
@@ -378,6 +381,11 @@ class Worker:
 
     def _idle_wait(self) -> float:
         wait = self.settings.poll_seconds
+        window = self.settings.lookup_window_seconds
+        if window > 0:
+            # a cohort becomes visible at the window's boundary, and nothing NOTIFYs then:
+            # wake just after it (by this host's clock; the poll is the backstop for skew)
+            wait = min(wait, window - time.time() % window + WINDOW_WAKE_SLACK_SECONDS)
         if self._free_since is not None and len(self.jobs):
             wait = min(wait, CLAIM_GATHER_SECONDS)
         nearest = self.jobs.nearest_deadline()
@@ -489,6 +497,12 @@ def worker_process(settings: Settings, url: str) -> Iterator[tuple[Worker, Worke
     its engines, the build info and queue gauges of /metrics, the worker itself."""
     from enrichq_service.observe import register_queue_collector, set_build_info
 
+    if settings.warehouse_url and sa.make_url(settings.warehouse_url).get_backend_name() == (
+        "bigquery"
+    ):
+        from enrichq_service import bigquery
+
+        bigquery.preflight(settings)  # credentials, tables, columns: SettingsError, exit 2
     engines = build_engines(settings, url)
     try:
         set_build_info(settings.mode.value)
@@ -511,11 +525,12 @@ def run_worker(
 
     Before anything starts, the preflight (`connections.preflight`): a database that
     cannot be reached stops the worker with its error (exit 1), a pool mode that the URL
-    contradicts with a SettingsError (exit 2); a worker never loops on either."""
+    contradicts, or a help-desk mirror (ENRICHQ_TICKETS_TABLE) that does not exist, with a
+    SettingsError (exit 2); a worker never loops on either."""
     from enrichq_schema.db import await_schema, redact
     from enrichq_service.observe import start_metrics_server
 
-    connections.preflight(settings, url)
+    connections.preflight(settings, url, mirror=True)
     with worker_process(settings, url) as (worker, _):
         start_metrics_server(settings.metrics_port)
         log.info(

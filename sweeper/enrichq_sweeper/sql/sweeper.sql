@@ -351,6 +351,79 @@ SELECT (SELECT count(*) FROM inserted) AS inserted,
        (SELECT key FROM last) AS last_id;
 
 
+-- name: reconcile_enqueue_page
+-- One page of the reconcile pass: the next :batch_size tickets of {tickets_table} updated
+-- in the last :updated_within_seconds but not in the last :quiet_seconds (the visibility
+-- delay: an event sent for that change has had the time to arrive and be queued), after the
+-- cursor (:after_updated_at, :after_id) in (updated_at, id) order. Enqueues an enrich row
+-- (reason reconcile, visible now, the ticket's tenant and its plan's priority, :priority for
+-- ownerless tickets, like any enqueue) for each that was never looked up, or whose last
+-- lookup started before its last change (ticket_enrichments.enriched_at is the lookup's
+-- start), unless the ticket has open work of any kind (that work looks it up anyway), or the
+-- queue gave up on it (a failed row, or a dead letter other than superseded) after that
+-- change: such a ticket waits for a redrive or a new change. Returns how many rows went in
+-- per tenant ('' = none), how many tickets the page held, and where the next page starts.
+-- {tickets_table} is an identifier: reconcile.py puts in the validated, quoted name.
+WITH clock AS (
+    SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
+),
+page AS MATERIALIZED (
+    SELECT CAST(t.id AS text) AS key, t.updated_at,
+           -- the ticket's tenant, as ingest takes it (a tenant no enqueue accepts: none)
+           CASE WHEN char_length(CAST(t.tenant AS text)) BETWEEN 1 AND :key_max_length
+                THEN CAST(t.tenant AS text) END AS tenant
+    FROM {tickets_table} AS t
+    CROSS JOIN clock
+    WHERE t.updated_at >= clock.now - make_interval(secs => CAST(:updated_within_seconds AS float8))
+      AND (t.updated_at, CAST(t.id AS text))
+          > (CAST(:after_updated_at AS timestamptz), CAST(:after_id AS text))
+    ORDER BY t.updated_at, CAST(t.id AS text)
+    LIMIT :batch_size
+),
+due AS (
+    SELECT p.key, p.tenant
+    FROM page AS p
+    CROSS JOIN clock
+    LEFT JOIN enrichq.ticket_enrichments AS e ON e.ticket_id = p.key
+    WHERE p.updated_at < clock.now - make_interval(secs => CAST(:quiet_seconds AS float8))
+      AND (e.ticket_id IS NULL OR e.enriched_at < p.updated_at)
+      AND char_length(p.key) BETWEEN 1 AND :key_max_length
+      -- a queued or running job of any kind looks the ticket up anyway
+      AND NOT EXISTS (
+          SELECT 1 FROM enrichq.queue AS o
+          WHERE o.state = 'queued' AND o.kind IN ('enrich', 'refresh', 'backfill')
+            AND o.key = p.key)
+      AND NOT EXISTS (
+          SELECT 1 FROM enrichq.queue AS o WHERE o.state = 'leased' AND o.key = p.key)
+      AND NOT EXISTS (
+          SELECT 1 FROM enrichq.queue AS g
+          WHERE (g.state = 'failed' OR (g.state = 'dead_letter' AND g.dead_reason <> 'superseded'))
+            AND g.key = p.key AND g.finished_at >= p.updated_at)
+),
+-- in the global lock order, like every enqueue
+inserted AS (
+    INSERT INTO enrichq.queue AS q
+        (kind, key, tenant, priority, reason, state, visible_at, attempts, max_attempts)
+    SELECT 'enrich', d.key, d.tenant, coalesce(t.priority, :priority), 'reconcile', 'queued',
+           clock.now, 0, :max_attempts
+    FROM due AS d
+    CROSS JOIN clock
+    LEFT JOIN enrichq.tenants AS t ON t.tenant = d.tenant
+    ORDER BY d.key COLLATE "C"
+    ON CONFLICT DO NOTHING
+    RETURNING q.tenant
+),
+last AS (
+    SELECT p.updated_at, p.key FROM page AS p ORDER BY p.updated_at DESC, p.key DESC LIMIT 1
+)
+SELECT (SELECT coalesce(jsonb_object_agg(b.tenant, b.n), '{}'::jsonb)
+        FROM (SELECT coalesce(i.tenant, '') AS tenant, count(*) AS n
+              FROM inserted AS i GROUP BY 1) AS b) AS by_tenant,
+       (SELECT count(*) FROM page) AS scanned,
+       (SELECT updated_at FROM last) AS last_updated_at,
+       (SELECT key FROM last) AS last_id;
+
+
 -- name: counts_refresh
 -- Recounts the terminal rows (done and failed by kind, dead letters by kind and reason)
 -- into enrichq.queue_counts, index-only over queue_finished_idx and

@@ -17,6 +17,7 @@ from enrichq_service.enrich import (
     Order,
     charge_of,
     error_text,
+    load_enricher,
     split_bytes,
     validate,
 )
@@ -196,3 +197,12 @@ def test_a_row_claimed_again_since_was_not_settled_by_this_claim() -> None:
     j = job()
     assert committed(Settle(j, SettleAction.COMPLETE), Row("done", uuid.uuid4(), 2)) is None
     assert committed(Settle(j, SettleAction.COMPLETE), None) is None
+
+
+def test_enricher_plug_in_path_errors_are_settings_errors() -> None:
+    from enrichq_schema.errors import SettingsError
+
+    with pytest.raises(SettingsError, match="ENRICHQ_ENRICHER"):
+        load_enricher("tests.support.enrichers:nope")
+    with pytest.raises(SettingsError, match="ENRICHQ_ENRICHER"):
+        load_enricher("no.such.module:fn")
