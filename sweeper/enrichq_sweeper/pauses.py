@@ -21,13 +21,12 @@ import sqlalchemy as sa
 
 from enrichq_schema import audit
 from enrichq_schema.errors import EnrichqError
-from enrichq_schema.states import NOTIFY_CHANNEL, AuditCommand, Kind
+from enrichq_schema.states import NOTIFY_CHANNEL, TENANT_MAX_LENGTH, AuditCommand, Kind
 from enrichq_schema.text import checked_text, printable, text_problem
 from enrichq_sweeper import common
 from enrichq_sweeper.controls import sql
 
 REASON_MAX_LENGTH = 500
-TENANT_MAX_LENGTH = 200
 
 
 class PauseError(EnrichqError):
