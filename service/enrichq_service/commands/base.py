@@ -84,7 +84,7 @@ class Context:
     @contextlib.contextmanager
     def database(self) -> Iterator[str]:
         """The database URL, starting the embedded PostgreSQL when none is configured."""
-        from enrichq_schema.db import database_url
+        from enrichq_service.embedded_postgres import database_url
 
         if self._url is not None:
             yield self._url
