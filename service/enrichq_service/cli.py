@@ -180,7 +180,7 @@ def stacked(options: Sequence[Decorator]) -> Decorator:
 
 
 def filter_options(reasons: list[str], reason_help: str, older_help: str) -> Decorator:
-    """The options every filtered action takes (enrichq_sweeper.filters reads them)."""
+    """The options every filtered action takes (enrichq_service.controls.filters reads them)."""
     options = [
         click.option("--id", "ids", type=ROW_ID, multiple=True, help="Row id (repeat)."),
         click.option("--key", "keys", multiple=True, help="Ticket id (repeat)."),

@@ -99,7 +99,7 @@ def render_status(report: StatusReport, out: TextIO) -> None:
     from rich.table import Table
 
     from enrichq_schema.text import printable
-    from enrichq_sweeper.pauses import Scope
+    from enrichq_service.controls.pauses import Scope
 
     console = render.console(out)
     states = [s.value for s in State]

@@ -20,17 +20,13 @@ from typing import Any
 import sqlalchemy as sa
 
 from enrichq_schema import audit
-from enrichq_schema.errors import EnrichqError
 from enrichq_schema.states import NOTIFY_CHANNEL, TENANT_MAX_LENGTH, AuditCommand, Kind
 from enrichq_schema.text import checked_text, printable, text_problem
+from enrichq_service.controls.actions import sql
+from enrichq_service.controls.errors import PauseError
 from enrichq_sweeper import common
-from enrichq_sweeper.controls import sql
 
 REASON_MAX_LENGTH = 500
-
-
-class PauseError(EnrichqError):
-    """Bad pause or resume input."""
 
 
 @dataclass(frozen=True, slots=True)
