@@ -1,17 +1,5 @@
-"""Accept files: the differences a reviewer accepts, with a reason and an author, in TOML.
-
-    [[rule]]
-    class = "legacy_missing"            # legacy_missing or extra_only: a legacy fault
-    tenant = "acme"                     # optional: one tenant only ("" = tickets without one)
-    first_day = 2024-03-01              # the tickets created on these UTC days (both included),
-    last_day = 2024-03-07               # or instead: tickets = ["T-1", "T-2"]
-    reason = "The legacy flow dropped these during its restarts (INC-4411)."
-    author = "alice"
-
-A run applies every rule, and its report lists each one with the tickets it matched (a rule
-that matched nothing is flagged). Parsing is strict: anything unexpected is an error naming
-the file, the line and what is wrong, raised before a run records anything.
-"""
+"""Accept files: the differences a reviewer accepts, with a reason and an author, in TOML;
+parsed strictly and applied to every run."""
 
 from __future__ import annotations
 
@@ -23,6 +11,7 @@ from datetime import date, datetime
 from pathlib import Path
 from typing import Any
 
+from enrichq_parity.errors import ParityError
 from enrichq_parity.model import (
     ACCEPTABLE,
     SHADOW_FAULTS,
@@ -30,7 +19,6 @@ from enrichq_parity.model import (
     AcceptRule,
     TicketClass,
 )
-from enrichq_schema.errors import EnrichqError
 from enrichq_schema.states import TENANT_MAX_LENGTH
 
 MAX_RULES = 1000
@@ -44,7 +32,7 @@ _RULE_HEADER = re.compile(r"^\s*\[\[\s*(rule|\"rule\"|'rule')\s*\]\]")
 _TOML_POSITION = re.compile(r"\s*\(at line (\d+), column \d+\)$")
 
 
-class AcceptFileError(EnrichqError):
+class AcceptFileError(ParityError):
     """The accept file is not valid."""
 
 

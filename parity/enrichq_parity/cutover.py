@@ -1,21 +1,5 @@
-"""Cutover: move consumers from the legacy table to the shadow table, whole or per tenant.
-
-Consumers read ``enrichq_public.ticket_orders`` (ticket_id, order_id, looked_up_at). The
-view is in one of three modes:
-
-- ``legacy``: it reads the legacy table (before any cutover, and after a full rollback);
-- ``staged``: it reads enrichq's rows for the tenants in ``enrichq_public.cutover_tenants``
-  and the legacy rows for every other ticket (``enrichq cutover --tenant T``);
-- ``shadow``: it reads enrichq's table for every ticket (``enrichq cutover``).
-
-Every step is one transaction, under an advisory lock, recorded in ``enrichq.cutover_events``
-(one event per tenant moved, or one with no tenant for the whole view). A move towards
-enrichq is gated on the latest finished parity run: it passed (for each tenant moved, on
-that tenant's own figures, every legacy fault accepted), it is fresh, and a reviewer
-approved it. Going back is never gated. This is the one module that touches
-consumer-facing objects: service and sweeper code never import it (an import-linter
-contract).
-"""
+"""Cutover: move consumers from the legacy table to the shadow table, whole or per tenant,
+gated on an approved, fresh, passing parity run; rollback is never gated."""
 
 from __future__ import annotations
 
@@ -29,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
+from enrichq_parity.errors import ParityError
 from enrichq_parity.model import (
     Approval,
     Coverage,
@@ -38,8 +23,7 @@ from enrichq_parity.model import (
     pct,
     plural,
 )
-from enrichq_parity.review import Refused, approvals_of
-from enrichq_schema.errors import EnrichqError
+from enrichq_parity.review import ParityRefused, approvals_of
 from enrichq_schema.identifiers import qualified, relation_exists, render
 from enrichq_schema.queries import Queries, load
 from enrichq_schema.tables import PUBLIC_SCHEMA
@@ -58,11 +42,11 @@ WAIT_SECONDS_DEFAULT = 60.0
 LOCK_NOT_AVAILABLE = "55P03"
 
 
-class CutoverError(EnrichqError):
+class CutoverError(ParityError):
     """Cutover cannot run on this database."""
 
 
-class CutoverRefused(Refused):
+class CutoverRefused(ParityRefused):
     """The cutover is refused (the parity gate, or a step that does not apply)."""
 
 
@@ -74,7 +58,7 @@ class Action(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
+class CutoverStep:
     """One step: the state it leads to, and the tenants it moves (None: every tenant)."""
 
     target: ViewState
@@ -85,15 +69,17 @@ class Plan:
 class ViewState:
     """The view's mode and, when staged, the tenants that read enrichq's rows."""
 
-    mode: Mode
+    mode: ViewMode
     tenants: frozenset[str] = frozenset()
 
     def reads_shadow(self, tenant: str) -> bool:
         """Whether consumers see enrichq's rows for this tenant's tickets."""
-        return self.mode is Mode.SHADOW or (self.mode is Mode.STAGED and tenant in self.tenants)
+        return self.mode is ViewMode.SHADOW or (
+            self.mode is ViewMode.STAGED and tenant in self.tenants
+        )
 
 
-class Mode(StrEnum):
+class ViewMode(StrEnum):
     """What the consumer view reads."""
 
     LEGACY = "legacy"
@@ -101,26 +87,26 @@ class Mode(StrEnum):
     SHADOW = "shadow"
 
 
-def plan(current: ViewState, action: Action, tenants: Sequence[str] | None) -> Plan | None:
+def plan(current: ViewState, action: Action, tenants: Sequence[str] | None) -> CutoverStep | None:
     """The step that `action` on `tenants` (None: every tenant) takes from `current`.
 
     None: nothing to do (already there). CutoverRefused: a tenant cannot move back from a
     whole cutover (there is no list of the tenants that would stay).
     """
     if tenants is None:
-        target = Mode.SHADOW if action is Action.CUTOVER else Mode.LEGACY
+        target = ViewMode.SHADOW if action is Action.CUTOVER else ViewMode.LEGACY
         if current.mode is target and not current.tenants:
             return None
-        return Plan(ViewState(target), None)
+        return CutoverStep(ViewState(target), None)
     asked = frozenset(tenants)
     if action is Action.CUTOVER:
-        if current.mode is Mode.SHADOW:
+        if current.mode is ViewMode.SHADOW:
             return None
         moved = tuple(sorted(asked - current.tenants))
         if not moved:
             return None
-        return Plan(ViewState(Mode.STAGED, current.tenants | asked), moved)
-    if current.mode is Mode.SHADOW:
+        return CutoverStep(ViewState(ViewMode.STAGED, current.tenants | asked), moved)
+    if current.mode is ViewMode.SHADOW:
         raise CutoverRefused(
             f"every tenant reads {SHADOW_TABLE} (a whole cutover): roll every tenant back with "
             "`enrichq cutover --rollback`, then cut tenants over one by one"
@@ -129,7 +115,9 @@ def plan(current: ViewState, action: Action, tenants: Sequence[str] | None) -> P
     if not moved:
         return None
     remaining = current.tenants - asked
-    return Plan(ViewState(Mode.STAGED, remaining) if remaining else ViewState(Mode.LEGACY), moved)
+    return CutoverStep(
+        ViewState(ViewMode.STAGED, remaining) if remaining else ViewState(ViewMode.LEGACY), moved
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -378,7 +366,7 @@ def ensure_view(conn: sa.Connection, settings: Settings) -> ViewState:
         present = conn.execute(q("cutover_schema_exists"), {"name": PUBLIC_SCHEMA}).scalar_one()
         if not present:
             raise CutoverError(f"schema {PUBLIC_SCHEMA} does not exist (run `enrichq migrate`)")
-        _point(conn, Mode.LEGACY, settings)
+        _point(conn, ViewMode.LEGACY, settings)
     return view_state(conn, settings)
 
 
@@ -386,14 +374,14 @@ def view_state(conn: sa.Connection, settings: Settings) -> ViewState:
     """What the view reads now (legacy when it does not exist yet)."""
     sources = set(_sources(conn))
     if not sources or sources == {settings.legacy_table}:
-        return ViewState(Mode.LEGACY)
+        return ViewState(ViewMode.LEGACY)
     if STAGED_TENANTS in sources:
         tenants = conn.execute(_queries()("cutover_staged_tenants")).scalars().all()
-        return ViewState(Mode.STAGED, frozenset(tenants))
+        return ViewState(ViewMode.STAGED, frozenset(tenants))
     if sources == {SHADOW_TABLE}:
-        return ViewState(Mode.SHADOW)
+        return ViewState(ViewMode.SHADOW)
     # Someone pointed it elsewhere by hand: the next step repoints it as enrichq would.
-    return ViewState(Mode.LEGACY if SHADOW_TABLE not in sources else Mode.SHADOW)
+    return ViewState(ViewMode.LEGACY if SHADOW_TABLE not in sources else ViewMode.SHADOW)
 
 
 def repoint(
@@ -509,13 +497,13 @@ def _apply(
     conn: sa.Connection,
     settings: Settings,
     current: ViewState,
-    step: Plan,
+    step: CutoverStep,
     events: Sequence[int],
 ) -> None:
     """Change the staged set and, if the mode changes, the view (same transaction)."""
     q = _queries()
     target = step.target
-    if target.mode is Mode.STAGED:
+    if target.mode is ViewMode.STAGED:
         assert step.moved is not None  # only a per-tenant step stages
         if target.tenants > current.tenants:
             for tenant, event_id in zip(step.moved, events, strict=True):
@@ -528,18 +516,18 @@ def _apply(
         _point(conn, target.mode, settings)
 
 
-def _point(conn: sa.Connection, mode: Mode, settings: Settings) -> None:
+def _point(conn: sa.Connection, mode: ViewMode, settings: Settings) -> None:
     """CREATE OR REPLACE the view for `mode`; a missing table is a one-line error."""
     q = _queries()
     legacy = qualified(conn.dialect, settings.legacy_table)
     if not relation_exists(conn, legacy):
         raise CutoverError(f"table {settings.legacy_table} does not exist (ENRICHQ_LEGACY_TABLE)")
-    if mode is Mode.LEGACY:
+    if mode is ViewMode.LEGACY:
         conn.execute(render(q["cutover_point_view"], source=legacy))
         return
     if not relation_exists(conn, SHADOW_TABLE):
         raise CutoverError(f"table {SHADOW_TABLE} does not exist (run `enrichq migrate`)")
-    if mode is Mode.SHADOW:
+    if mode is ViewMode.SHADOW:
         conn.execute(render(q["cutover_point_view"], source=SHADOW_TABLE))
         return
     tickets = qualified(conn.dialect, settings.tickets_table)
@@ -553,9 +541,9 @@ def _point(conn: sa.Connection, mode: Mode, settings: Settings) -> None:
 
 def _describe(state: ViewState, settings: Settings) -> str:
     """What consumers read, in words."""
-    if state.mode is Mode.LEGACY:
+    if state.mode is ViewMode.LEGACY:
         return f"{settings.legacy_table} for every tenant"
-    if state.mode is Mode.SHADOW:
+    if state.mode is ViewMode.SHADOW:
         return f"{SHADOW_TABLE} for every tenant"
     return (
         f"{SHADOW_TABLE} for {_tenant_list(state.tenants)}, {settings.legacy_table} for the others"
@@ -572,7 +560,7 @@ def _unchanged(action: Action, tenants: Sequence[str] | None) -> str:
 
 def _moved(
     action: Action,
-    step: Plan,
+    step: CutoverStep,
     *,
     settings: Settings,
     run: GateRun | None,
@@ -744,7 +732,7 @@ def status(conn: sa.Connection, settings: Settings) -> Status:
     """Per tenant, what consumers read and since when, by whom (read-only)."""
     q = _queries()
     exists = relation_exists(conn, VIEW)
-    state = view_state(conn, settings) if exists else ViewState(Mode.LEGACY)
+    state = view_state(conn, settings) if exists else ViewState(ViewMode.LEGACY)
     events = conn.execute(q("cutover_status_events")).all()
     whole_event = next((e for e in events if e.tenant is None), None)
     by_tenant = {e.tenant: e for e in events if e.tenant is not None}

@@ -1,10 +1,5 @@
-"""The CSV export of a parity run: one row per differing ticket, written as it streams in.
-
-Columns are fixed (``COLUMNS``); a cell of order ids is a JSON array (an id may hold a space
-or a comma), the rules that accept a ticket are numbers separated by spaces. A cell that a
-spreadsheet would run as a formula is neutralised. The class, the fault group and the
-accepting rules are the run's own, so the CSV, the JSON and the HTML report cannot disagree.
-"""
+"""The CSV export of a parity run: one row per differing ticket, written as it streams in,
+safe to open in a spreadsheet."""
 
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
+from enrichq_parity.errors import ParityError
 from enrichq_parity.model import (
     DIFFERING,
     RULE_SAMPLE_LIMIT,
@@ -45,7 +46,6 @@ from enrichq_parity.model import (
     total,
 )
 from enrichq_schema import runlog
-from enrichq_schema.errors import EnrichqError
 from enrichq_schema.identifiers import qualified, relation_exists, render
 from enrichq_schema.process import process_id
 from enrichq_schema.queries import Queries, load
@@ -85,7 +85,7 @@ ProgressCallback = Callable[[int, int], None]
 """Called after each day with (days done, days in the window)."""
 
 
-class ParityInputError(EnrichqError):
+class ParityInputError(ParityError):
     """Parity cannot run on this input."""
 
 
@@ -659,16 +659,16 @@ def export_latest(conn: sa.Connection) -> None:
 def engines(settings: Settings, url: str) -> tuple[sa.Engine, sa.Engine]:
     """(read, write): the engine parity reads through (ENRICHQ_PARITY_DATABASE_URL, a
     replica, or the database) and the one it records its run on (the database)."""
-    from enrichq_schema.connections import create_engine
+    from enrichq_schema.connections import engine_from_settings
 
-    read = create_engine(
+    read = engine_from_settings(
         settings,
         settings.parity_database_url or url,
         application_name="enrichq-parity",
         pool_size=settings.parity_concurrency,
         statement_timeout_seconds=settings.statement_timeout_seconds,
     )
-    write = create_engine(
+    write = engine_from_settings(
         settings,
         url,
         application_name="enrichq-parity",

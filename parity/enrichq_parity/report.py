@@ -1,10 +1,5 @@
-"""The parity report as JSON and as one self-contained HTML page (CSS and SVG inline).
-
-The page is a Jinja2 template (``templates/report.html.j2``) with autoescaping on, styled by
-``templates/report.css``, which is inlined so that the single file works offline and when
-mailed. Every figure on it comes from `enrichq_parity.model`; this module only lays them
-out (the chart's geometry, the cards, the tables' rows).
-"""
+"""The parity report as JSON and as one self-contained HTML page (CSS and SVG inline); the
+figures come from `enrichq_parity.model`, this module lays them out."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""The review of parity runs: a reviewer's approval, the list of runs, a stored run's report.
-
-A reviewer reads a finished run's report and signs it: ``enrichq parity approve RUN --by
-NAME``. Cutover needs a signature on the run it judges (`enrichq_parity.cutover`). Only a
-finished run that passed its bars can be signed; one that still has legacy faults without an
-accepted rule can be, but cutover refuses the tenants those faults belong to.
-"""
+"""The review of parity runs: a reviewer's approval, the list of runs, a stored run's
+report."""
 
 from __future__ import annotations
 
@@ -15,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
+from enrichq_parity.errors import ParityError
 from enrichq_parity.model import (
     Approval,
     ParityReport,
@@ -25,7 +21,6 @@ from enrichq_parity.model import (
     failing_tenants,
 )
 from enrichq_schema.db import as_record
-from enrichq_schema.errors import EnrichqError
 from enrichq_schema.queries import Queries, load
 from enrichq_schema.tables import APPROVAL_NOTE_MAX_LENGTH, APPROVER_MAX_LENGTH
 
@@ -35,15 +30,15 @@ if TYPE_CHECKING:
 RUNS_LIMIT_DEFAULT = 20
 
 
-class ReviewInputError(EnrichqError):
+class ReviewInputError(ParityError):
     """The review command's input is wrong (an unknown run, a bad name)."""
 
 
-class Refused(EnrichqError):
+class ParityRefused(ParityError):
     """A review or cutover command refused (exit 1); its other errors are bad input (exit 2)."""
 
 
-class ApprovalRefused(Refused):
+class ApprovalRefused(ParityRefused):
     """This run cannot be approved."""
 
 

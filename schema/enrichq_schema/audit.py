@@ -1,16 +1,5 @@
-"""The audit log: who did what to the queue, when, with which filter, and how many rows.
-
-Operator actions record themselves in the caller's transaction, so an action and its
-audit row commit or roll back together. A one-shot action (pause, resume) calls `record`;
-a batched one (cancel, dlq discard, dlq redrive) opens its row with ``finished=False``,
-adds each batch's rows in that batch's transaction (`add_rows`) and closes it (`finish`):
-an interrupted action keeps what it committed and no finish time.
-
-    with engine.begin() as conn:
-        ...  # the pause itself
-        audit.record(conn, command=AuditCommand.PAUSE, actor=actor,
-                     filter={"kind": "enrich"}, rows_affected=1, note=reason)
-"""
+"""The audit log: who did what to the queue, when, with which filter, and how many rows,
+recorded in the caller's transaction."""
 
 from __future__ import annotations
 

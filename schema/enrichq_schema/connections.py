@@ -1,17 +1,5 @@
 """How every enrichq process connects: engine options from the settings, the LISTEN
-connection, and the checks a long-running process makes before it starts (preflight).
-
-- `ENRICHQ_POOL_MODE` (`session` | `transaction`) says whether a client connection keeps
-  its server session (direct, or a session pooler) or gets one per transaction (PgBouncer
-  in transaction pooling); `enrichq_schema.pooling` applies settings accordingly and
-  prepares nothing server-side in transaction mode.
-- LISTEN needs a session of its own for as long as it listens: `ENRICHQ_LISTEN_DATABASE_URL`
-  (a direct connection), else the database URL in session mode; in transaction mode with
-  no listen URL, workers poll alone (`ENRICHQ_POLL_SECONDS`).
-- `ENRICHQ_NETWORK_TIMEOUT_SECONDS` bounds how long a dead network goes unnoticed
-  (`enrichq_schema.pooling.network_params`, and every reply wait of an engine with a
-  statement timeout).
-"""
+connection, and the checks a long-running process makes before it starts (preflight)."""
 
 from __future__ import annotations
 
@@ -38,7 +26,7 @@ def engine_options(settings: Settings) -> dict[str, Any]:
     }
 
 
-def create_engine(settings: Settings, url: str, **options: Any) -> sa.Engine:
+def engine_from_settings(settings: Settings, url: str, **options: Any) -> sa.Engine:
     """An engine of the queue database (or of parity's replica) as the settings say."""
     return db.create_engine(url, **engine_options(settings), **options)
 

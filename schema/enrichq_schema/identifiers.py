@@ -1,10 +1,5 @@
 """Configured table names spliced into named SQL as quoted identifiers: the one way every
-package puts a table name into a statement.
-
-Postgres binds values, never identifiers: a table name cannot be a bound parameter, so the
-configured names (validated as ``schema.table`` in settings) are quoted with the dialect's
-identifier preparer and substituted for ``{placeholder}`` tokens in the named query text.
-"""
+package puts a table name into a statement."""
 
 from __future__ import annotations
 

@@ -57,6 +57,11 @@ worker_errors_total = Counter(
 
 # -- enrichment
 lookups_total = Counter("enrichq_lookups_total", "Warehouse lookups by status.", ["status"])
+batch_unasked_answers_total = Counter(
+    "enrichq_batch_unasked_answers_total",
+    "Answers a batch enricher gave under ticket ids it was not asked for (dropped; their"
+    " bytes billed are charged to the batch's tickets).",
+)
 warehouse_bytes_billed_total = Counter(
     "enrichq_warehouse_bytes_billed_total", "Bytes billed by the warehouse for lookups."
 )
@@ -75,6 +80,13 @@ warehouse_deferrals_total = Counter(
 
 # -- ingest
 events_total = Counter("enrichq_events_total", "Events received over HTTP by result.", ["result"])
+http_connections_closed_total = Counter(
+    "enrichq_http_connections_closed_total",
+    "HTTP connections serve closed on the client: too slow to send its request's head or"
+    " body, one too many (ENRICHQ_HTTP_MAX_CONNECTIONS), or a request with both"
+    " Content-Length and Transfer-Encoding.",
+    ["reason"],
+)
 enqueued_total = Counter(
     "enrichq_enqueued_total", "Enqueue requests by result (inserted/merged).", ["kind", "result"]
 )

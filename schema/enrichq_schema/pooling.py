@@ -1,26 +1,5 @@
-"""How an engine's sessions get their settings, per pool mode, and how long a connection
-may wait for the server.
-
-Between enrichq and PostgreSQL there may be a connection pooler. In **session** pooling
-(or with no pooler) a client connection keeps one server session for its life; in
-**transaction** pooling (PgBouncer's `pool_mode = transaction`) every transaction may run
-on another server session, so nothing set on a session survives the transaction:
-
-- settings (`statement_timeout`, …): in session mode (the default) set once per
-  connection, when it is made; in transaction mode `set_config(…, true)` before the first
-  statement of every transaction;
-- server-side prepared statements: in session mode the claim loop's hot statements; in
-  transaction mode none (`prepare_threshold=None`).
-
-Settings are never sent as the `options` startup parameter, which PgBouncer refuses
-("unsupported startup parameter: options").
-
-The network: with a timeout, libpq probes idle connections (TCP keepalives), gives up on
-data the peer does not acknowledge (`tcp_user_timeout`) and on connecting
-(`connect_timeout`); and every wait for a reply is bounded by the client itself
-(`BoundedConnection`), because a proxy or pooler in the path acknowledges our packets even
-when the server behind it is gone, which no TCP-level timeout can see.
-"""
+"""How an engine's sessions get their settings per pool mode (session or transaction
+pooling), and how long a connection may wait for the server."""
 
 from __future__ import annotations
 

@@ -1,23 +1,5 @@
-"""Named SQL: each ``.sql`` file holds queries under ``-- name: x`` headers, loaded once.
-
-A header may end in ``prepared`` (``-- name: queue_claim_batch prepared``): that statement
-runs as a server-side prepared statement on each connection (see `enrichq_schema.db`), so
-Postgres parses it once per connection and may keep its plan. Only the hot statements of
-the claim loop are marked; everything else is planned with its real parameter values.
-
-A file may also hold fragments: constant SQL text that several of its own statements share,
-each under a ``-- fragment: x`` header (leading comment lines are its doc, as for a query).
-A line that is only ``{{x}}`` stands for fragment ``x``: when the file is loaded, the
-fragment's lines are spliced in there, at that line's indentation, so `Query.sql` is the
-statement as it runs and `Query.fragments` names what went into it. A fragment may include
-another. A fragment is the package's own text, never a value (values are ``:binds``) nor a
-configured table name (``{table}``, quoted in by `enrichq_schema.identifiers` when the
-statement runs); double braces are neither a bind, a cast (``::``) nor valid SQL, so a
-reference left unspliced could never run quietly. A reference to a fragment the file does
-not define, a fragment defined twice, used by no query, including itself, holding a ``;``
-(outside comments and string literals) or named like a query, and ``{{x}}`` anywhere but
-alone on its line, are errors when the file is loaded.
-"""
+"""Named SQL: each ``.sql`` file holds queries under ``-- name: x`` headers, loaded once
+into statements (``prepared`` marks the claim loop's hot ones)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Secrets that must never reach an operator's screen, a log line or a stored error.
-
-A database URL carries its password in two places (the userinfo, and libpq's `password` and
-`sslpassword` options), and a driver's error may quote part of it (a password with an
-unescaped ``@`` becomes part of a host name). `redacted_url` hides both places; the process
-remembers every secret its settings hold (`remember`), and every line enrichq prints or logs
-goes through `scrubbed`, which masks any of them wherever it appears.
-"""
+"""Secrets that must never reach an operator's screen, a log line or a stored error: URLs
+redacted, and every secret the settings hold masked wherever it appears."""
 
 from __future__ import annotations
 

@@ -115,6 +115,18 @@ WEBHOOK_TOLERANCE_SECONDS_MAX = 3600
 # 12 s in all (network, TLS and our answer), so at most 10
 INGEST_DATABASE_TIMEOUT_SECONDS_MAX = 10
 INGEST_DATABASE_TIMEOUT_SECONDS_DEFAULT = 2.5
+# slow senders: a request's head (line and headers) must arrive within this many seconds of
+# the connection opening (or of the previous answer, on a kept-alive connection), its body
+# within this many of its head; then the connection is closed
+HTTP_HEADER_TIMEOUT_SECONDS_DEFAULT = 10
+HTTP_BODY_TIMEOUT_SECONDS_DEFAULT = 30
+HTTP_TIMEOUT_SECONDS_MAX = 600
+# open HTTP connections at once (more are answered 503 and closed at once); serve lowers it
+# to what its open-files limit leaves room for
+HTTP_MAX_CONNECTIONS_DEFAULT = 1000
+HTTP_MAX_CONNECTIONS_MAX = 1_000_000
+# request bytes held at once, by every request together, before their signature is checked
+HTTP_MAX_BUFFERED_BYTES_DEFAULT = 16 * 2**20
 # Standard Webhooks secrets are `whsec_` + base64 of the key
 STANDARD_WEBHOOKS_PREFIX = "whsec_"
 
@@ -273,6 +285,24 @@ class Settings(BaseSettings):
         le=BODY_BYTES_MAX,
         description="Largest accepted POST /v1/events body.",
     )
+    http_header_timeout_seconds: Annotated[
+        float, Field(ge=0.1, le=HTTP_TIMEOUT_SECONDS_MAX, allow_inf_nan=False)
+    ] = HTTP_HEADER_TIMEOUT_SECONDS_DEFAULT
+    """Seconds a client has to send a request's line and headers; then it is disconnected."""
+    http_body_timeout_seconds: Annotated[
+        float, Field(ge=0.1, le=HTTP_TIMEOUT_SECONDS_MAX, allow_inf_nan=False)
+    ] = HTTP_BODY_TIMEOUT_SECONDS_DEFAULT
+    """Seconds a client has to send a request's body after its headers; then it is
+    disconnected."""
+    http_max_connections: Annotated[int, Field(ge=1, le=HTTP_MAX_CONNECTIONS_MAX)] = (
+        HTTP_MAX_CONNECTIONS_DEFAULT
+    )
+    """Open HTTP connections at once; more are answered 503 with Retry-After and closed."""
+    http_max_buffered_bytes: Annotated[int, Field(ge=1024, le=BODY_BYTES_MAX)] = (
+        HTTP_MAX_BUFFERED_BYTES_DEFAULT
+    )
+    """Request body bytes held at once, all requests together, before their signatures are
+    checked; past it a request is answered 503 with Retry-After."""
     http_host: str = "0.0.0.0"  # noqa: S104 -- a service listens on all interfaces in its container
     """Address `serve` binds."""
     http_port: Port = HTTP_PORT_DEFAULT
@@ -440,6 +470,15 @@ class Settings(BaseSettings):
         if 0 < value < RECONCILE_INTERVAL_SECONDS_MIN:
             raise ValueError(f"0 (off) or at least {RECONCILE_INTERVAL_SECONDS_MIN} s")
         return value
+
+    @model_validator(mode="after")
+    def _one_body_fits_the_buffer(self) -> Settings:
+        if self.http_max_buffered_bytes < self.max_body_bytes:
+            raise ValueError(
+                f"ENRICHQ_HTTP_MAX_BUFFERED_BYTES ({self.http_max_buffered_bytes}) must not be "
+                f"under ENRICHQ_MAX_BODY_BYTES ({self.max_body_bytes}): no body could be read"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_enricher(self) -> Settings:

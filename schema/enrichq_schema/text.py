@@ -1,13 +1,5 @@
-"""Text from outside (ticket ids, tenants, errors, log arguments) made safe to show.
-
-A ticket id such as ``"w\\x1b[2J\\nFAKE LOG LINE"`` would clear an operator's terminal or
-forge a log line wherever it is printed raw. Every log line is also scrubbed of the
-process's secrets (`enrichq_schema.secrets`). Ingest refuses control (Cc) and format (Cf)
-characters in ids and tenants (`unsafe_character`); rows stored before that check, and
-text that is not an id (errors, filters), are shown through `printable`, which writes such
-characters, and the line and paragraph separators, as Python escapes; every log line of
-the command line's processes goes through `EscapingFormatter`.
-"""
+"""Text from outside (ticket ids, tenants, errors, log arguments) made safe to show, and
+refused where it enters as an id or tenant."""
 
 from __future__ import annotations
 

@@ -1,26 +1,6 @@
-"""The built-in lookup's query on BigQuery, through BigQuery's own client.
-
-SQLAlchemy's BigQuery dialect (sqlalchemy-bigquery) turns a statement into BigQuery SQL,
-but its DB-API cursor runs the query with the client's defaults: no job timeout, no byte
-limit, a retry deadline of up to 10 minutes per call, no job id known before the call
-returns (so nothing to cancel) and, on a pooled connection, a billed `SELECT 1` ping. Here
-the statement SQLAlchemy compiled runs as a query job of enrichq's own making:
-
-- `job_timeout_ms` is the attempt's remaining time: BigQuery stops the job itself when the
-  attempt is over, even if this process is gone;
-- `maximum_bytes_billed` is ENRICHQ_MAX_BYTES_PER_QUERY: a query that would bill more is
-  refused before it runs, at no cost;
-- labels `app=enrichq` and `kind=<kind>`, so the billing export attributes the cost;
-- every call to BigQuery (the insert, each poll, each page) is bounded by the attempt's
-  deadline, and retries only what never reached BigQuery (a dropped connection); a job
-  that is abandoned (deadline, lost lease, shutdown) is cancelled, and whatever it billed
-  when it ends is charged, also when it failed.
-
-Errors are mapped as BigQuery documents them (`mapped`): `rateLimitExceeded`, 5xx and
-`backendError` are transient (the queue's backoff); `quotaExceeded` defers the work to the
-quota's reset (midnight, Pacific time) without spending an attempt; `invalidQuery`,
-`notFound`, `accessDenied` are permanent, in one line, and `check` finds them at start-up.
-"""
+"""The built-in lookup's query on BigQuery, through BigQuery's own client: a query job of
+enrichq's own making, bounded by the attempt's deadline and the byte limit, cancelled when
+abandoned, its errors mapped to transient, deferred or permanent."""
 
 from __future__ import annotations
 
@@ -39,11 +19,13 @@ import sqlalchemy as sa
 
 from enrichq_schema.errors import SettingsError
 from enrichq_schema.settings import Settings
-from enrichq_service.errors import Deferral, PermanentError, TransientError
+from enrichq_service.errors import Deferral, PermanentError, ServiceError, TransientError
 
 LABEL_APP = "enrichq"
 # a bound value as the dialect's compiler writes it (pyformat), and as BigQuery names it
-PYFORMAT = re.compile(r"%\((\w+)\)s")
+# (the dialect writes a scalar bind with its type, %(name:STRING)s: BigQuery takes the type
+# from the query parameter)
+PYFORMAT = re.compile(r"%\((\w+)(?::\w+)?\)s")
 # a call to BigQuery when the attempt has no deadline (a direct call of the lookup)
 CALL_SECONDS_DEFAULT = 300.0
 # an abandoned job is cancelled; how long its lookup waits for it to end, to learn its bill
@@ -78,7 +60,7 @@ class Ran:
     bytes_billed: int
 
 
-class JobFailed(Exception):
+class JobFailed(ServiceError):
     """A query job that failed, with what it billed and what its error comes to."""
 
     def __init__(self, error: BaseException, job_id: str | None, bytes_billed: int, *, data: bool):
@@ -95,9 +77,9 @@ def client_of(conn: sa.Connection) -> Any:
     return conn.connection.dbapi_connection._client  # type: ignore[union-attr]
 
 
-def compiled(conn: sa.Connection, stmt: sa.TextClause, params: Mapping[str, Any]) -> tuple[
-    str, list[Any]
-]:
+def compiled(
+    conn: sa.Connection, stmt: sa.TextClause, params: Mapping[str, Any]
+) -> tuple[str, list[Any]]:
     """`stmt` as BigQuery SQL with named parameters (@name), and those parameters: the
     dialect expands a list into one bound value each, as on every dialect."""
     from google.cloud import bigquery
@@ -153,8 +135,11 @@ def run(
                 job_retry=None,
                 timeout=_left(deadline),
             )
+            cancel.created()
             rows = list(job.result(retry=_retry(deadline), timeout=_left(deadline)))
     except Exception as exc:
+        if job is not None:
+            cancel.created()
         billed = _billed_at_end(client, job, cancel) if job is not None else 0
         error = cancel.why() or mapped(exc, max_bytes=max_bytes)
         # a query refused before it ran (on insert) is not the data's doing
@@ -164,30 +149,44 @@ def run(
 
 
 class _Cancel:
-    """Cancels the job from another thread, once, without waiting for BigQuery's answer."""
+    """Cancels the job from another thread, once, without waiting for BigQuery's answer;
+    asked before the job exists (its insert still on its way), once it does."""
 
     def __init__(self, client: Any, job_id: str) -> None:
         self._client = client
         self._job_id = job_id
-        self._sent = threading.Event()
+        self._lock = threading.Lock()
+        self._wanted = False
+        self._created = False
+        self._sent = False
 
     def __call__(self) -> None:
-        if self._sent.is_set():
-            return
-        self._sent.set()
+        with self._lock:
+            self._wanted = True
+        self._maybe_send()
+
+    def created(self) -> None:
+        """The job exists now: a cancel asked for before is sent."""
+        with self._lock:
+            self._created = True
+        self._maybe_send()
+
+    def _maybe_send(self) -> None:
+        with self._lock:
+            if not (self._wanted and self._created) or self._sent:
+                return
+            self._sent = True
         threading.Thread(target=self._send, name="enrichq-cancel", daemon=True).start()
 
     def _send(self) -> None:
         with contextlib.suppress(Exception):  # best effort: job_timeout_ms still ends it
             self._client.cancel_job(self._job_id, retry=None, timeout=REQUEST_SECONDS)
 
-    @property
-    def sent(self) -> bool:
-        return self._sent.is_set()
-
     def why(self) -> BaseException | None:
-        if not self.sent:
-            return None
+        """The error of a lookup whose job was cancelled because it was abandoned."""
+        with self._lock:
+            if not self._wanted:
+                return None
         return TransientError("the lookup was abandoned: its BigQuery job was cancelled")
 
 
@@ -314,7 +313,9 @@ def preflight(settings: Settings) -> None:
                 try:
                     table = client.get_table(name, retry=None, timeout=30)
                 except api.NotFound as exc:
-                    raise SettingsError(f"{where}: BigQuery has no such table ({_message(exc)})") from None
+                    raise SettingsError(
+                        f"{where}: BigQuery has no such table ({_message(exc)})"
+                    ) from None
                 except api.Forbidden as exc:
                     raise SettingsError(
                         f"{where}: access denied ({_message(exc)}); the service account needs "

@@ -1,14 +1,5 @@
-"""`enrichq demo`: the whole product in a minute on a fresh machine.
-
-Seeds a help desk, a warehouse and a legacy output with realistic imperfections in a
-database of its own (``enrichq_demo``, recreated each run), runs ``serve`` in shadow mode
-with shortened delays, posts every ticket as a signed webhook event, lets the worker
-enrich them, runs the sweeper once, and then walks the review of docs/cutover.md: a
-backfill of the tickets from before the shadow run (no event ever reached enrichq for
-them), a parity run, an accept file for the legacy flow's known losses, a second run that
-passes, its approval, the cutover of one tenant, the cutover status, and a check that
-consumers of that tenant still read every ticket they read before.
-"""
+"""`enrichq demo`: the whole product in a minute on a fresh machine, from seeded help desk
+to the cutover of one tenant, in a database of its own."""
 
 from __future__ import annotations
 

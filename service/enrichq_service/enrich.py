@@ -1,28 +1,11 @@
-"""Enrichment (DESIGN §4): read the ticket, look its customer up, write what was found.
-
-The enrichment is a plug-in, in one of two forms:
-
-- per ticket, ``ENRICHQ_ENRICHER=package.module:function``: ``(ticket, context) ->
-  Enrichment``;
-- per batch, ``ENRICHQ_BATCH_ENRICHER=package.module:function``: ``(tickets, context) ->
-  Mapping[ticket id, Enrichment | Exception]``, called once for up to
-  ``ENRICHQ_LOOKUP_BATCH_SIZE`` tickets of one claim. A ticket missing from the mapping is
-  a transient error; an exception value is that ticket's outcome.
-
-Either raises ``TransientError`` (retry), ``PermanentError`` (fail) or ``Deferral`` (defer
-until a time); anything else counts as transient. A plug-in's result is checked where it
-enters (`validate`): a result of the wrong shape, a NUL byte, an over-long id or a total
-that is not a number, text PostgreSQL cannot hold (a lone surrogate, as
-``bytes.decode("utf-8", "surrogateescape")`` makes) or a bill over `BYTES_MAX` fails that
-job alone, with the field named, before anything reaches the database. The built-in
-enrichment, `warehouse_lookup_batch` (the default), runs one warehouse query for a whole
-batch through SQLAlchemy's expanding bind parameters, so the same statement runs on every
-dialect; `warehouse_lookup` is its per-ticket form.
-"""
+"""Enrichment: read the ticket, look its customer up, write what was found; the plug-in
+forms (per ticket, per batch), the checks on what a plug-in returns, and the built-in
+warehouse lookup."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import signal
 import threading
@@ -37,15 +20,17 @@ from uuid import UUID
 
 import sqlalchemy as sa
 
+from enrichq_schema import metrics
 from enrichq_schema.errors import SettingsError
 from enrichq_schema.identifiers import qualified, qualified_parts, render
 from enrichq_schema.process import PluginError, load_callable
 from enrichq_schema.queries import load
 from enrichq_schema.settings import BUILTIN_BATCH_ENRICHER, Settings
 from enrichq_schema.text import error_line
-from enrichq_service.errors import PermanentError, TransientError
+from enrichq_service.errors import PermanentError, ServiceError, TransientError
 
 SQL = load("enrichq_service", "sql/enrich.sql")
+log = logging.getLogger(__name__)
 ID_MAX_LENGTH = 1000  # order, customer and warehouse job ids
 # The most bytes one lookup may bill: a pebibyte (2^50). No warehouse bills a query
 # anywhere near it (BigQuery's on-demand price makes it a six-figure query), and a day's
@@ -196,6 +181,17 @@ class Missing(TransientError):
     """The batch enricher returned nothing for this ticket."""
 
 
+@dataclass(frozen=True, slots=True)
+class Surcharge:
+    """A ticket's outcome (`value`, a result or an exception, as the plug-in gave it) and
+    its share of bytes billed that came under answers for tickets the batch was not asked
+    for: the query ran and billed them, so the batch's tickets are charged them."""
+
+    value: object
+    bytes_billed: int
+    job_id: str | None = None
+
+
 def enrich_all(
     choice: EnricherChoice, tickets: Sequence[Ticket], context: EnrichContext
 ) -> dict[str, object]:
@@ -223,7 +219,41 @@ def enrich_all(
         bad = PermanentError(f"the batch enricher returned {type(results).__name__}, not a mapping")
         return {t.id: bad for t in tickets}
     missing = Missing("the batch enricher returned nothing for it")
-    return {t.id: results.get(t.id, missing) for t in tickets}
+    outcomes = {t.id: results.get(t.id, missing) for t in tickets}
+    return _charge_unasked(outcomes, results, tickets)
+
+
+def _charge_unasked(
+    outcomes: dict[str, object], results: Mapping[Any, object], tickets: Sequence[Ticket]
+) -> dict[str, object]:
+    """`outcomes`, with the bytes billed under answers for ids the batch was not asked for
+    shared among its tickets (`Surcharge`): those answers are dropped, logged and counted
+    (`enrichq_batch_unasked_answers_total`), never their bytes."""
+    asked = {t.id for t in tickets}
+    unasked = [k for k in results if k not in asked]
+    if not unasked:
+        return outcomes
+    metrics.batch_unasked_answers_total.inc(len(unasked))
+    job_id, billed = None, 0
+    for key in unasked:
+        their_job, their_bytes = charge_of(results[key])
+        job_id = job_id or their_job
+        billed += their_bytes
+    log.warning(
+        "a batch enricher answered for %d ticket id(s) it was not asked for (%s): answers"
+        " dropped, their %d bytes billed charged to the batch's %d tickets",
+        len(unasked),
+        ", ".join(repr(k) for k in unasked[:3]) + (", …" if len(unasked) > 3 else ""),
+        billed,
+        len(tickets),
+    )
+    if not billed:
+        return outcomes
+    shares = split_bytes(min(billed, BYTES_MAX), len(tickets))
+    return {
+        t.id: Surcharge(outcomes[t.id], share, job_id) if share else outcomes[t.id]
+        for t, share in zip(tickets, shares, strict=True)
+    }
 
 
 def _load(path: str, setting: str) -> Any:
@@ -404,7 +434,8 @@ def warehouse_lookup_batch(
     tickets: Sequence[Ticket], context: EnrichContext
 ) -> Mapping[str, Enrichment | BaseException]:
     """The built-in enricher: one warehouse query for the orders of every ticket's
-    requester (by e-mail, case-insensitively), bytes billed shared out by `split_bytes`.
+    requester (by e-mail, case folded by the warehouse's lower() on both sides, as parity
+    does), bytes billed shared out by `split_bytes`.
 
     On PostgreSQL the query runs under a statement timeout of the attempt's remaining time,
     and is cancelled when the attempt is abandoned or its lease lost; on BigQuery it runs
@@ -449,8 +480,15 @@ class _BatchLookup:
             self.charges[ticket.id] = (job_id or before_job, before + share)
 
     def run(self, group: list[Ticket], *, depth: int) -> None:
-        emails = sorted({t.requester_email.lower() for t in group if t.requester_email})
+        # as the help desk has them: the warehouse folds case, on both sides (`_query`)
+        emails = sorted({t.requester_email for t in group if t.requester_email})
         found: dict[str, list[Order]] = {e: [] for e in emails}
+        if emails and depth and self.context.cancelled.is_set():
+            # abandoned while its batch was being split: the rest never runs
+            abandoned = TransientError("the lookup was abandoned before this part of its batch ran")
+            for ticket in group:
+                self.outcomes[ticket.id] = abandoned
+            return
         if emails:
             try:
                 rows, job_id, billed = _query(self.context, emails)
@@ -475,10 +513,10 @@ class _BatchLookup:
                 found.setdefault(str(r.email), []).append(order)
         for ticket in group:
             email = ticket.requester_email
-            self.outcomes[ticket.id] = tuple(found.get(email.lower(), [])) if email else ()
+            self.outcomes[ticket.id] = tuple(found.get(email, [])) if email else ()
 
 
-class QueryFailed(Exception):
+class QueryFailed(ServiceError):
     """A warehouse query failed: the error its tickets get, and what it billed. `data`:
     the warehouse could not read a value (a query of fewer tickets may succeed)."""
 
@@ -504,12 +542,13 @@ def _query(context: EnrichContext, emails: list[str]) -> tuple[list[Any], str | 
     dialect = context.warehouse.dialect
     stmt = _statement(
         "enrich_warehouse_orders_batch",
-        ("emails",),
+        asked=_asked(len(emails)),
         customers=qualified_parts(dialect, settings.customers_table),
         orders=qualified_parts(dialect, settings.orders_table),
     )
+    params = {f"asked_{i}": e for i, e in enumerate(emails)}
     if dialect.name == "bigquery":
-        return _query_bigquery(context, stmt, emails)
+        return _query_bigquery(context, stmt, params)
     try:
         with (
             context.warehouse.connect() as conn,
@@ -517,7 +556,7 @@ def _query(context: EnrichContext, emails: list[str]) -> tuple[list[Any], str | 
             _statement_timeout(conn, context),
             context.interruptible(_canceller(conn)),
         ):
-            result = conn.execute(stmt, {"emails": emails})
+            result = conn.execute(stmt, params)
             # before the rows are read: a result that has returned them all lets its cursor go
             job_id, billed = _warehouse_job(result)
             return list(result), job_id, billed
@@ -527,7 +566,7 @@ def _query(context: EnrichContext, emails: list[str]) -> tuple[list[Any], str | 
 
 
 def _query_bigquery(
-    context: EnrichContext, stmt: sa.TextClause, emails: list[str]
+    context: EnrichContext, stmt: sa.TextClause, params: dict[str, str]
 ) -> tuple[list[Any], str | None, int]:
     from enrichq_service import bigquery
 
@@ -536,7 +575,7 @@ def _query_bigquery(
             ran = bigquery.run(
                 conn,
                 stmt,
-                {"emails": emails},
+                params,
                 kind=context.kind,
                 max_bytes=context.settings.max_bytes_per_query,
                 deadline=context.deadline,
@@ -555,9 +594,7 @@ def _query_bigquery(
 CHARGE_ATTRIBUTE = "enrichq_charges"
 
 
-def charged(
-    error: BaseException, ticket_id: str, job_id: str | None, billed: int
-) -> BaseException:
+def charged(error: BaseException, ticket_id: str, job_id: str | None, billed: int) -> BaseException:
     """`error`, as one ticket's outcome, recording that ticket's charge on it (one error
     may be the outcome of several tickets, each charged its own share)."""
     if job_id is not None or billed:
@@ -565,6 +602,12 @@ def charged(
         charges[ticket_id] = (job_id, billed)
         setattr(error, CHARGE_ATTRIBUTE, charges)
     return error
+
+
+def _asked(n: int) -> str:
+    """The rows of the e-mails a batch lookup asks for: `n` bound placeholders, one a row
+    (the same SQL on every dialect: a portable list of values to join)."""
+    return " UNION ALL ".join(f"SELECT :asked_{i} AS asked" for i in range(n))
 
 
 def _id(value: Any) -> Any:

@@ -1,24 +1,20 @@
-"""Ingest of help-desk events, safe to redeliver (DESIGN §6, POST /v1/events).
-
-An event may carry the help desk's event `id`. A delivery whose id was seen within
-ENRICHQ_EVENT_DEDUPE_HOURS is a redelivery: it is acknowledged as a duplicate and enqueues
-nothing, also after the first delivery's row was claimed, done or pruned. The ids are
-recorded in the transaction that enqueues the events (sql/events.sql): if the enqueue
-rolls back, so does the record, and the help desk's retry is processed. The sweeper's
-retention pass deletes ids older than the window.
-"""
+"""Ingest of help-desk events, safe to redeliver (POST /v1/events): an event id seen within
+ENRICHQ_EVENT_DEDUPE_HOURS is acknowledged as a duplicate and enqueues nothing."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 import sqlalchemy as sa
 
 from enrichq_schema.queries import load
 from enrichq_schema.settings import Settings
 from enrichq_service import queue
+from enrichq_service.errors import ServiceError
 
 SQL = load("enrichq_service", "sql/events.sql")
 SECONDS_PER_HOUR = 3600.0
@@ -34,7 +30,7 @@ class Delivery:
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome:
+class DeliveryResult:
     """What became of one delivered event.
 
     `duplicate`: its id was seen within the window, nothing was enqueued, and `id` is the
@@ -68,7 +64,7 @@ def enqueue(
     *,
     settings: Settings,
     now: datetime | None = None,
-) -> list[Outcome]:
+) -> list[DeliveryResult]:
     """Enqueue every delivery that is not a redelivery, in the caller's transaction."""
     ids = sorted({d.event_id for d in deliveries if d.event_id is not None})
     fresh: set[str] = set()
@@ -83,13 +79,13 @@ def enqueue(
     wanted = [d for d, is_dup in zip(deliveries, dup, strict=True) if not is_dup]
     results = iter(queue.enqueue(conn, [d.request for d in wanted], settings=settings, now=now))
     went_into: dict[str, int | None] = {}
-    outcomes: list[Outcome | None] = []
+    outcomes: list[DeliveryResult | None] = []
     for delivery, is_dup in zip(deliveries, dup, strict=True):
         if is_dup:
             outcomes.append(None)  # filled in below, once the first deliveries are known
             continue
         result = next(results)
-        outcomes.append(Outcome(result.key, result.id, result.inserted))
+        outcomes.append(DeliveryResult(result.key, result.id, result.inserted))
         if delivery.event_id is not None:
             went_into[delivery.event_id] = result.id
     if went_into:
@@ -108,6 +104,37 @@ def enqueue(
     return [
         o
         if o is not None
-        else Outcome(d.request.key, went_into.get(d.event_id or ""), False, duplicate=True)
+        else DeliveryResult(d.request.key, went_into.get(d.event_id or ""), False, duplicate=True)
         for o, d in zip(outcomes, deliveries, strict=True)
     ]
+
+
+class DuplicateKey(ServiceError):
+    """A JSON object names one key twice."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__()
+        self.key = key
+
+
+def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def duplicate_key(body: bytes) -> str | None:
+    """The first key that an object of the JSON `body` names twice, or None (also when
+    `body` is not JSON: that is the parser's to say). Two parsers can take different ones
+    of the two values (the last wins in Python, the first in others), so such a body is
+    refused rather than read one way here and another way by the help desk."""
+    try:
+        json.loads(body, object_pairs_hook=_refuse_duplicates)
+    except DuplicateKey as exc:
+        return exc.key
+    except (ValueError, RecursionError):
+        return None
+    return None

@@ -1,13 +1,11 @@
-"""HTTP ingest ``POST /v1/events``, ``/healthz``, ``/readyz`` and ``/metrics`` (DESIGN §6).
-
-FastAPI and uvicorn are imported only here, so commands that serve no HTTP never load them.
-A request is checked in this order: size, signature, timestamp, media type (JSON only, 415
-otherwise), body; then every event is enqueued in one transaction, or none is.
-"""
+"""HTTP ingest ``POST /v1/events`` (and Zendesk's), ``/healthz``, ``/readyz`` and
+``/metrics``: each request checked (framing, size, signature, timestamp, media type, body)
+before its events are enqueued in one transaction, or none is."""
 
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import hmac
 import json
@@ -16,6 +14,7 @@ import re
 import socket
 import threading
 import time
+import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -47,10 +46,16 @@ from enrichq_schema.db import current_revision, head_revision
 from enrichq_schema.errors import SettingsError
 from enrichq_schema.settings import Settings
 from enrichq_schema.states import EVENT_ID_MAX_LENGTH, KEY_MAX_LENGTH, Kind
-from enrichq_schema.text import id_problem, unsafe_character, validation_problem
+from enrichq_schema.text import (
+    REFUSED_CATEGORIES,
+    id_problem,
+    unsafe_character,
+    validation_problem,
+)
 from enrichq_service import events as ingest
 from enrichq_service import queue, signatures, zendesk
 from enrichq_service.errors import ServiceError
+from enrichq_service.http_guard import BodyBudget, Limits, guarded_protocol
 from enrichq_service.observe import register_queue_collector, set_build_info
 from enrichq_service.signatures import Rejection
 
@@ -73,7 +78,11 @@ EVENT_RESULTS = (
     "ignored",
 )
 # RFC 3339 date-time: a date, a time and a zone; pydantic parses the values.
-_RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d{1,9})?([Zz]|[+-]\d{2}:\d{2})")
+_RFC3339_SCHEMA = (
+    r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt ][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,9})?"
+    r"([Zz]|[+-][0-9]{2}:[0-9]{2})"
+)
+_RFC3339 = re.compile(_RFC3339_SCHEMA)
 _UNIX_SECONDS = re.compile(r"\d{1,12}")
 _SCHEMA_REF = "#/components/schemas/{model}"
 
@@ -98,7 +107,11 @@ class Event(BaseModel):
         default=None, min_length=1, max_length=KEY_MAX_LENGTH, description="Brand or account."
     )
     occurred_at: AwareDatetime = Field(description="When it happened (RFC 3339, with a zone).")
-    payload: dict[str, Any] | None = Field(default=None, description="Kept on the queue row.")
+    payload: dict[str, Any] | None = Field(
+        default=None,
+        description="Kept on the queue row: at most 64 KiB as JSON, and no NUL (\\u0000) in "
+        "any string (PostgreSQL's jsonb cannot store it).",
+    )
 
     @field_validator("ticket_id", "tenant")
     @classmethod
@@ -244,12 +257,30 @@ def is_json(content_type: str | None) -> bool:
     )
 
 
+def unsupported(headers: Any) -> Rejection | None:
+    """415 for a body that is not JSON (Content-Type) or not sent as it is (a
+    Content-Encoding other than identity: a gzip body would be read as bytes that are no
+    JSON), or None."""
+    if not is_json(headers.get("content-type")):
+        return Rejection(415, "unsupported", "Content-Type must be application/json")
+    encoding = (headers.get("content-encoding") or "identity").strip().lower()
+    if encoding != "identity":
+        return Rejection(
+            415,
+            "unsupported",
+            f"Content-Encoding {encoding[:40]!r} is not supported: send the body as it is",
+        )
+    return None
+
+
 def parse_events(body: bytes) -> list[Event] | Rejection:
     """The events of a body (one event or a batch), or why it is invalid."""
     try:
         data = from_json(body, allow_inf_nan=False)
     except ValueError as exc:
         return _invalid(f"body is not valid JSON: {exc}")
+    if (key := ingest.duplicate_key(body)) is not None:
+        return _invalid(f"body names the key {key!r} twice in one object")
     try:
         if isinstance(data, dict) and "events" in data:
             return list(EventBatch.model_validate(data).events)
@@ -310,27 +341,51 @@ def _refuse(rejection: Rejection) -> JSONResponse:
     return JSONResponse({"detail": rejection.detail}, status_code=rejection.status, headers=headers)
 
 
-async def _read_body(request: Request, limit: int) -> bytes | Response:
-    """The body, or the answer to a body that is too large (413) or never came (400)."""
+async def _read_body(request: Request, limit: int, budget: BodyBudget) -> bytes | Response:
+    """The body, held against `budget` (the caller gives it back), or the answer to a body
+    that is too large (413), that would pass the bytes every request may hold before its
+    signature is checked (503), or that never came (400)."""
     declared = request.headers.get("content-length", "")
     too_large = Rejection(413, "too_large", f"body larger than {limit} bytes")
     if declared.isdigit() and int(declared) > limit:
         return _refuse(too_large)
+    busy = Rejection(503, "unavailable", "too many request bodies in flight; retry later")
+    chunks: list[bytes] = []
+    size = 0
     try:
-        body = await _read_capped(request, limit)
+        async for chunk in request.stream():
+            if size + len(chunk) > limit:
+                budget.give_back(size)
+                return _refuse(too_large)
+            if not budget.take(len(chunk)):
+                budget.give_back(size)
+                log.warning("request bodies in flight reached ENRICHQ_HTTP_MAX_BUFFERED_BYTES")
+                return _refuse(busy)
+            size += len(chunk)
+            chunks.append(chunk)
     except ClientDisconnect:
+        budget.give_back(size)
         return JSONResponse({"detail": "client disconnected"}, status_code=400)
-    if body is None:
-        return _refuse(too_large)
-    return body
+    return b"".join(chunks)
 
 
-async def _zendesk(request: Request, settings: Settings, engine: sa.Engine) -> Response:
+async def _zendesk(
+    request: Request, settings: Settings, engine: sa.Engine, budget: BodyBudget
+) -> Response:
     """POST /v1/zendesk: size, Zendesk's signature and timestamp, media type, body; then
     the ticket event is enqueued (deduplicated on its event id) or ignored (2xx)."""
-    body = await _read_body(request, settings.max_body_bytes)
+    body = await _read_body(request, settings.max_body_bytes, budget)
     if isinstance(body, Response):
         return body
+    try:
+        return await _zendesk_body(request, body, settings, engine)
+    finally:
+        budget.give_back(len(body))
+
+
+async def _zendesk_body(
+    request: Request, body: bytes, settings: Settings, engine: sa.Engine
+) -> Response:
     headers = request.headers
     stamp = headers.get(zendesk.TIMESTAMP_HEADER)
     rejection = zendesk.verify(
@@ -344,8 +399,8 @@ async def _zendesk(request: Request, settings: Settings, engine: sa.Engine) -> R
     sent_at = zendesk.parse_timestamp(stamp or "")
     if rejection is not None or sent_at is None:
         return _refuse(rejection or Rejection(401, "unauthorized", "bad timestamp"))
-    if not is_json(headers.get("content-type")):
-        return _refuse(Rejection(415, "unsupported", "Content-Type must be application/json"))
+    if (problem := unsupported(headers)) is not None:
+        return _refuse(problem)
     event = zendesk.parse(
         body,
         tenant_field=settings.zendesk_tenant_field,
@@ -354,7 +409,7 @@ async def _zendesk(request: Request, settings: Settings, engine: sa.Engine) -> R
     )
     if isinstance(event, Rejection):
         return _refuse(event)
-    if isinstance(event, zendesk.Ignored):
+    if isinstance(event, zendesk.NotATicketEvent):
         metrics.events_total.labels("ignored").inc()
         return JSONResponse({"ignored": event.zendesk_type}, status_code=200)
     delivery = zendesk.to_delivery(event)
@@ -366,21 +421,9 @@ async def _zendesk(request: Request, settings: Settings, engine: sa.Engine) -> R
     return _accepted([event.ticket_id], results)
 
 
-async def _read_capped(request: Request, limit: int) -> bytes | None:
-    """The body, read chunk by chunk; None as soon as it grows past `limit` bytes."""
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def _enqueue(
     engine: sa.Engine, settings: Settings, deliveries: list[ingest.Delivery]
-) -> list[ingest.Outcome] | Rejection:
+) -> list[ingest.DeliveryResult] | Rejection:
     """Enqueue every delivery that is not a redelivery, in one transaction."""
     try:
         with engine.begin() as conn:
@@ -397,7 +440,7 @@ def _enqueue(
 
 async def _enqueue_within(
     engine: sa.Engine, settings: Settings, deliveries: list[ingest.Delivery]
-) -> list[ingest.Outcome] | Rejection:
+) -> list[ingest.DeliveryResult] | Rejection:
     """`_enqueue`, answered within ENRICHQ_INGEST_DATABASE_TIMEOUT_SECONDS: a database that
     accepts connections and never answers makes a 503 with Retry-After, not a help desk's
     timeout. The abandoned attempt goes on in its thread until the connection's own
@@ -413,7 +456,9 @@ async def _enqueue_within(
     return Rejection(503, "unavailable", "database did not answer in time; retry later")
 
 
-def _accepted(events_ticket_ids: Sequence[str], results: list[ingest.Outcome]) -> JSONResponse:
+def _accepted(
+    events_ticket_ids: Sequence[str], results: list[ingest.DeliveryResult]
+) -> JSONResponse:
     inserted = sum(r.inserted for r in results)
     duplicates = sum(r.duplicate for r in results)
     metrics.events_total.labels("accepted").inc(len(results) - duplicates)
@@ -431,15 +476,71 @@ def _accepted(events_ticket_ids: Sequence[str], results: list[ingest.Outcome]) -
     return JSONResponse(jsonable_encoder(answer), status_code=202)
 
 
+async def _events(request: Request, body: bytes, settings: Settings, engine: sa.Engine) -> Response:
+    """POST /v1/events once its body is read: signature (enrichq's or Standard Webhooks'),
+    media type and encoding, events; then all of them enqueued in one transaction."""
+    headers = request.headers
+    secrets = [s for s in settings.webhook_secrets if not signatures.is_standard_secret(s)]
+    standard_secrets = [s for s in settings.webhook_secrets if signatures.is_standard_secret(s)]
+    standard = SIGNATURE_HEADER not in headers and signatures.SIGNATURE_HEADER in headers
+    if standard:
+        rejection = signatures.verify_standard(
+            standard_secrets,
+            headers.get(signatures.ID_HEADER),
+            headers.get(signatures.TIMESTAMP_HEADER),
+            headers.get(signatures.SIGNATURE_HEADER),
+            body,
+            now=time.time(),
+            tolerance_seconds=settings.webhook_tolerance_seconds,
+        )
+    else:
+        rejection = verify(
+            secrets,
+            headers.get(TIMESTAMP_HEADER),
+            headers.get(SIGNATURE_HEADER),
+            body,
+            now=time.time(),
+            tolerance_seconds=settings.webhook_tolerance_seconds,
+        )
+    if rejection is not None:
+        return _refuse(rejection)
+    if (problem := unsupported(headers)) is not None:
+        return _refuse(problem)
+    events = parse_events(body)
+    if isinstance(events, Rejection):
+        return _refuse(events)
+    requests = to_requests(
+        events, default_id=headers.get(signatures.ID_HEADER) if standard else None
+    )
+    if isinstance(requests, Rejection):
+        return _refuse(requests)
+    results = await _enqueue_within(engine, settings, requests)
+    if isinstance(results, Rejection):
+        return _refuse(results)
+    return _accepted([e.ticket_id for e in events], results)
+
+
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "Missing, bad or stale signature."},
     413: {"model": ErrorBody, "description": "Body larger than ENRICHQ_MAX_BODY_BYTES."},
-    415: {"model": ErrorBody, "description": "Content-Type is not application/json."},
-    422: {"model": ErrorBody, "description": "Not JSON, or not one event or a batch of them."},
+    400: {
+        "model": ErrorBody,
+        "description": "Both Content-Length and Transfer-Encoding (the connection is closed), "
+        "or a body that never came.",
+    },
+    415: {
+        "model": ErrorBody,
+        "description": "Content-Type is not application/json, or Content-Encoding is not identity.",
+    },
+    422: {
+        "model": ErrorBody,
+        "description": "Not JSON (or a key twice in one object), or not one event or a batch "
+        "of them.",
+    },
     503: {
         "model": ErrorBody,
-        "description": "The database is unavailable; nothing enqueued. Retry after the "
-        "Retry-After header's seconds.",
+        "description": "The database is unavailable, or too many request bodies are in "
+        "flight; nothing enqueued. Retry after the Retry-After header's seconds.",
         "headers": {
             "Retry-After": {
                 "description": "Seconds to wait before retrying.",
@@ -448,6 +549,54 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         },
     },
 }
+
+
+def _char_class(chars: Sequence[int]) -> str:
+    """The code points `chars` (ascending) as the inside of a regular expression's
+    character class: ranges of \\uXXXX escapes in the BMP, the characters themselves past
+    it (ECMA's \\u escapes name UTF-16 units only)."""
+    parts: list[str] = []
+    i = 0
+    while i < len(chars):
+        j = i
+        while j + 1 < len(chars) and chars[j + 1] == chars[j] + 1:
+            j += 1
+
+        def one(c: int) -> str:
+            return f"\\u{c:04x}" if c <= 0xFFFF else chr(c)
+
+        parts.append(one(chars[i]) if i == j else f"{one(chars[i])}-{one(chars[j])}")
+        i = j + 1
+    return "".join(parts)
+
+
+@functools.cache
+def id_patterns() -> tuple[str, str]:
+    """JSON Schema patterns of the id rule (`enrichq_schema.text.id_problem`: no control,
+    format or surrogate character, not blank, no whitespace at either end) and of the event
+    id rule (no such character, not blank), so a client that generates or checks bodies by
+    the schema agrees with the server."""
+    # Lone surrogates (Cs) are refused too, but no pattern can name them: a regular
+    # expression over Unicode text (Rust's, ECMA's with the u flag) refuses the range.
+    # JSON text reaches them only through \\uD800-style escapes, never as UTF-8.
+    refused = [
+        c for c in range(0x110000) if unicodedata.category(chr(c)) in REFUSED_CATEGORIES - {"Cs"}
+    ]
+    space = [c for c in range(0x110000) if chr(c).isspace()]
+    bad = _char_class(refused)
+    edge = _char_class(sorted(set(refused) | set(space)))
+    return f"^[^{edge}](?:[^{bad}]*[^{edge}])?$", f"^[^{bad}]*[^{edge}][^{bad}]*$"
+
+
+def _describe_ids(components: dict[str, Any]) -> None:
+    """Put the rules that validators check in code into the Event schema: ids and tenants,
+    event ids, and the RFC 3339 time."""
+    key, event_id = id_patterns()
+    props = components["Event"]["properties"]
+    props["ticket_id"]["pattern"] = key
+    props["tenant"]["anyOf"][0]["pattern"] = key
+    props["id"]["anyOf"][0]["pattern"] = event_id
+    props["occurred_at"]["pattern"] = f"^{_RFC3339_SCHEMA}$"
 
 
 class _App(FastAPI):
@@ -461,6 +610,7 @@ class _App(FastAPI):
             components.update(body.pop("$defs", {}))
             body["description"] = "One event, or a batch of 1 to 1,000 events."
             components["EventsBody"] = body
+            _describe_ids(components)
         return schema
 
 
@@ -480,16 +630,22 @@ def create_app(
     register_queue_collector(engine)
     for result in EVENT_RESULTS:
         metrics.events_total.labels(result)
-    secrets = [s for s in settings.webhook_secrets if not signatures.is_standard_secret(s)]
-    standard_secrets = [s for s in settings.webhook_secrets if signatures.is_standard_secret(s)]
     limit = settings.max_body_bytes
+    budget = BodyBudget(settings.http_max_buffered_bytes)
     head = head_revision()
+    no_secret = not settings.webhook_secrets and not settings.zendesk_signing_secrets
+    if no_secret:
+        log.warning(
+            "neither ENRICHQ_WEBHOOK_SECRET nor ENRICHQ_ZENDESK_SIGNING_SECRET is set: "
+            "every event is refused (401) until one is"
+        )
 
     app = _App(
         title="enrichq",
         version=version,
         description="Ticket events in, enrichment queued; health and Prometheus metrics.",
     )
+    app.state.http_limits = Limits.of(settings)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -533,46 +689,13 @@ def create_app(
     )
     async def post_events(request: Request) -> Response:
         """Verify the signature, validate every event, enqueue them all in one transaction."""
-        body = await _read_body(request, limit)
+        body = await _read_body(request, limit, budget)
         if isinstance(body, Response):
             return body
-        headers = request.headers
-        standard = SIGNATURE_HEADER not in headers and signatures.SIGNATURE_HEADER in headers
-        if standard:
-            rejection = signatures.verify_standard(
-                standard_secrets,
-                headers.get(signatures.ID_HEADER),
-                headers.get(signatures.TIMESTAMP_HEADER),
-                headers.get(signatures.SIGNATURE_HEADER),
-                body,
-                now=time.time(),
-                tolerance_seconds=settings.webhook_tolerance_seconds,
-            )
-        else:
-            rejection = verify(
-                secrets,
-                headers.get(TIMESTAMP_HEADER),
-                headers.get(SIGNATURE_HEADER),
-                body,
-                now=time.time(),
-                tolerance_seconds=settings.webhook_tolerance_seconds,
-            )
-        if rejection is not None:
-            return _refuse(rejection)
-        if not is_json(request.headers.get("content-type")):
-            return _refuse(Rejection(415, "unsupported", "Content-Type must be application/json"))
-        events = parse_events(body)
-        if isinstance(events, Rejection):
-            return _refuse(events)
-        requests = to_requests(
-            events, default_id=headers.get(signatures.ID_HEADER) if standard else None
-        )
-        if isinstance(requests, Rejection):
-            return _refuse(requests)
-        results = await _enqueue_within(engine, settings, requests)
-        if isinstance(results, Rejection):
-            return _refuse(results)
-        return _accepted([e.ticket_id for e in events], results)
+        try:
+            return await _events(request, body, settings, engine)
+        finally:
+            budget.give_back(len(body))
 
     @app.post(
         "/v1/zendesk",
@@ -617,7 +740,7 @@ def create_app(
     )
     async def post_zendesk(request: Request) -> Response:
         """Verify Zendesk's signature, map its ticket event, enqueue it (docs/zendesk.md)."""
-        return await _zendesk(request, settings, engine)
+        return await _zendesk(request, settings, engine, budget)
 
     @app.get(
         "/healthz",
@@ -663,6 +786,14 @@ def create_app(
             # ingest still accepts events (the help desk must not lose them): ready, and says
             # what stopped
             return JSONResponse({"status": "ingest only", "detail": problem})
+        if no_secret:
+            return JSONResponse(
+                {
+                    "status": "refusing every event",
+                    "detail": "no webhook secret: set ENRICHQ_WEBHOOK_SECRET or "
+                    "ENRICHQ_ZENDESK_SIGNING_SECRET",
+                }
+            )
         return JSONResponse({"status": "ok"})
 
     @app.get(
@@ -732,8 +863,16 @@ def start_server_thread(
     host:port here (port 0 picks a free one)."""
     if sock is None:
         sock = bind_socket(host, port)
+    limits = getattr(app.state, "http_limits", None) or Limits.default()
     config = uvicorn.Config(
-        app, host=host, port=port, log_level="warning", access_log=False, lifespan="off"
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        # h11 with the bounds of enrichq_service.http_guard, never httptools
+        http=guarded_protocol(limits),
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(

@@ -1,40 +1,6 @@
-"""Run enrichments in a child process, so that a crash costs only the job that caused it.
-
-A job whose previous attempt ended with its lease expiring may be a poison pill: its
-enrichment may have killed the worker, and with it every job in flight beside it. After
-recovery those jobs become visible together and would be claimed together again. So the
-suspects of a unit are enriched in a child process, all of them in one: if the child dies,
-their tickets are split in two halves, each tried in a child of its own, and so on until
-the child that dies holds one ticket alone. That ticket's attempt fails (it is retried,
-and dead-lettered once its attempts are spent); every other suspect gets its outcome in
-the same attempt. A unit with no poison pill costs one child; one with a poison pill among
-n suspects costs at most 1 + 2 * ceil(log2 n).
-
-Suspects are not rare: after a database outage longer than a lease every job that was in
-flight comes back one, though no process died. One child per suspect, one after another,
-made that recovery cost a process start-up per job, long enough under load for the leases
-to lapse again and the queue to stall; one child per unit costs about one more lookup.
-
-A plug-in call that raises a BaseException that is not an Exception (`PluginAborted`)
-is treated alike: it is its tickets' transient error, and when the call was for several
-tickets (a batch) they are halved until the call that raises holds one ticket alone.
-
-A child has until the attempt's deadline, and is killed as soon as every job it enriches
-is abandoned or lost (`EnrichContext.interruptible`). A child that ends without answering
-(killed, past its time, dead on its own) may leave its warehouse query running on the
-server: on PostgreSQL its sessions (named after the child, `application_name`) are ended,
-and the call waits for them to be gone, before it returns and the lookup's slot under
-ENRICHQ_WAREHOUSE_MAX_CONCURRENCY is released.
-
-A child ignores SIGINT and SIGTERM: a graceful stop signalled to the worker's whole
-process group (systemd's KillMode=control-group, Ctrl-C in a terminal) is its parent's to
-carry out, which kills the child at the end of its grace period if it has not answered.
-
-The parent sends the settings, the time left and the tickets as JSON on stdin; the child
-answers one JSON object on its stdout pipe, which it keeps to itself: before any plug-in
-runs it moves that pipe to a descriptor of its own and points fd 1 at stderr, so what a
-plug-in prints lands in the worker's log, never in the answer.
-"""
+"""Run enrichments in a child process, so that a crash (a poison pill) costs only the job
+that caused it: the suspects of a unit run in one child, halved until the job that kills
+its child runs alone."""
 
 from __future__ import annotations
 
@@ -64,6 +30,7 @@ from enrichq_service.enrich import (
     Enrichment,
     Order,
     PluginAborted,
+    Surcharge,
     Ticket,
     choose,
     enrich_all,
@@ -86,7 +53,7 @@ END_SESSIONS_SECONDS = 5.0
 # the stop signals of a process group, which a child leaves to its parent
 GROUP_STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
 
-Outcomes = dict[str, Enrichment | BaseException]
+Outcomes = dict[str, Enrichment | BaseException | Surcharge]
 
 
 def is_suspect(attempts: int, last_error: str | None) -> bool:
@@ -228,8 +195,13 @@ def _each(tickets: Sequence[Ticket], error: BaseException) -> Outcomes:
     return {t.id: error for t in tickets}
 
 
-def _outcome(answer: dict[str, Any]) -> Enrichment | BaseException:
+def _outcome(answer: dict[str, Any]) -> Enrichment | BaseException | Surcharge:
     """A ticket's outcome from the child's answer for it."""
+    surcharge = answer.get("surcharge")
+    if surcharge is not None:
+        inner = _outcome({k: v for k, v in answer.items() if k != "surcharge"})
+        assert not isinstance(inner, Surcharge)
+        return Surcharge(inner, int(surcharge["bytes_billed"]), surcharge.get("job_id"))
     error = answer.get("error")
     if error == "permanent":
         return PermanentError(answer["message"])
@@ -279,7 +251,12 @@ def _ticket(t: dict[str, Any]) -> Ticket:
 
 
 def _answer(outcome: object) -> dict[str, Any]:
-    """The child's answer for one ticket: its validated enrichment, or its error's kind."""
+    """The child's answer for one ticket: its validated enrichment, or its error's kind
+    (and a surcharge's bytes)."""
+    if isinstance(outcome, Surcharge):
+        answer = _answer(outcome.value)
+        answer["surcharge"] = {"bytes_billed": outcome.bytes_billed, "job_id": outcome.job_id}
+        return answer
     if isinstance(outcome, Deferral):
         return {"error": "defer", "message": str(outcome), "until": outcome.until.isoformat()}
     if isinstance(outcome, PermanentError):

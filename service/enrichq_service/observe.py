@@ -1,23 +1,5 @@
-"""Scrape-time database gauges (DESIGN §6, issue 7): queue depth, leases, vacuum, budget.
-
-The gauges are read from Postgres when Prometheus scrapes, through the named queries of
-``sql/observe.sql``, and cached for a few seconds so a scrape storm runs them once.
-
-What ``enrichq_queue_rows{kind,state}`` covers, and how fresh it is:
-
-- ``queued`` and ``leased``: counted live, through the open-row partial indexes (cheap
-  whatever the size of the history);
-- ``done``, ``failed`` and ``dead_letter`` (and ``enrichq_queue_dead_letters{kind,reason}``):
-  exact as of the sweeper leader's last count, which it writes once a pass to the small
-  table ``enrichq.queue_counts`` (``enrichq_queue_counted_timestamp_seconds`` says when).
-  Counting them at every scrape would walk the retained history (30 days of done rows, 90
-  of dead letters) on every scrape of every process.
-
-Every known kind gets a zero sample for each open state, and, once a sweeper has counted
-(the counted-at gauge is then above 0), for each terminal state and dead reason, so an alert
-on an absent series never silently passes; before the first count the terminal samples are
-left out rather than shown as a 0 nobody counted.
-"""
+"""Scrape-time database gauges: queue depth, leases, vacuum, budget, read from Postgres when
+Prometheus scrapes (``sql/observe.sql``) and cached for a few seconds."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 from uuid import UUID
 
 import sqlalchemy as sa
@@ -448,7 +448,7 @@ def complete(
 ) -> set[int]:
     """Mark held jobs done; returns the ids that won (write only their results, same tx)."""
     settles = [Settle(j, SettleAction.COMPLETE) for j in jobs]
-    return set(settle(conn, owner=owner, settles=settles, **_NO_BACKOFF, now=now))
+    return set(settle(conn, owner=owner, settles=settles, **_NO_RETRIES, now=now))
 
 
 def fail(
@@ -460,7 +460,7 @@ def fail(
 ) -> set[int]:
     """Mark held jobs failed for good (permanent error kept); returns the ids that won."""
     settles = [Settle(j, SettleAction.FAIL, error=e) for j, e in failures]
-    return set(settle(conn, owner=owner, settles=settles, **_NO_BACKOFF, now=now))
+    return set(settle(conn, owner=owner, settles=settles, **_NO_RETRIES, now=now))
 
 
 def retry(
@@ -495,10 +495,16 @@ def defer(
 ) -> set[int]:
     """Give held jobs back until a time (None = now) without spending their attempt."""
     settles = [Settle(j, SettleAction.DEFER, until=u) for j, u in deferrals]
-    return set(settle(conn, owner=owner, settles=settles, **_NO_BACKOFF, now=now))
+    return set(settle(conn, owner=owner, settles=settles, **_NO_RETRIES, now=now))
 
 
-_NO_BACKOFF = {"backoff_base_seconds": 0.0, "backoff_cap_seconds": 0.0}
+class _NoBackoff(TypedDict):
+    backoff_base_seconds: float
+    backoff_cap_seconds: float
+
+
+# complete, fail and defer retry nothing: no backoff to compute
+_NO_RETRIES: _NoBackoff = {"backoff_base_seconds": 0.0, "backoff_cap_seconds": 0.0}
 
 
 def _count_refused(operation: str, refused: int) -> None:

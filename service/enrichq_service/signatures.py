@@ -1,12 +1,5 @@
-"""Webhook signatures beside enrichq's own (http.sign/verify): Standard Webhooks.
-
-Standard Webhooks (https://www.standardwebhooks.com, spec/standard-webhooks.md of
-standard-webhooks/standard-webhooks): headers `webhook-id`, `webhook-timestamp` (unix
-seconds) and `webhook-signature`, a space-separated list of `v1,<base64>` signatures; each
-is base64(HMAC-SHA256(key, "{id}.{timestamp}.{body}")) where the secret is `whsec_` +
-base64(key). Several signatures let a sender rotate its key with no downtime; one that
-verifies is enough. Pure functions: no I/O.
-"""
+"""Standard Webhooks signatures (`webhook-id`, `webhook-timestamp`, `webhook-signature`),
+beside enrichq's own (http.sign/verify). Pure functions: no I/O."""
 
 from __future__ import annotations
 

@@ -1,21 +1,5 @@
-"""Zendesk webhooks as Zendesk sends them (POST /v1/zendesk): verification and mapping.
-
-Verification as Zendesk documents it ("Verifying webhook authenticity"):
-X-Zendesk-Webhook-Signature = base64(HMAC-SHA256(signing secret,
-X-Zendesk-Webhook-Signature-Timestamp + raw body)), the timestamp ISO-8601.
-
-Two bodies are understood (docs/zendesk.md):
-
-- an event subscription's event: `type` `zen:event-type:ticket.*`, `id`, `time`,
-  `subject` `zen:ticket:<id>` and `detail`, the ticket. `ticket.created` is reason
-  `created`, every other ticket event `updated`; an event of another domain (user,
-  organization...) is ignored, answered 2xx (Zendesk does not retry a 2xx; a 4xx would fill
-  its error log and trip its circuit breaker);
-- a trigger's or automation's JSON body, the template of docs/zendesk.md:
-  `{"ticket_id": "{{ticket.id}}", "event": "created" | "updated", ...}`.
-
-Pure functions returning frozen records; http.py is the HTTP layer.
-"""
+"""Zendesk webhooks as Zendesk sends them (POST /v1/zendesk): signature verification and
+the mapping of its two body shapes to events. Pure functions; http.py is the HTTP layer."""
 
 from __future__ import annotations
 
@@ -62,7 +46,7 @@ class TicketEvent:
 
 
 @dataclass(frozen=True, slots=True)
-class Ignored:
+class NotATicketEvent:
     """A verified event that enqueues nothing (not a ticket event)."""
 
     zendesk_type: str
@@ -132,13 +116,15 @@ def parse(
     tenant_field: ZendeskTenantField,
     invocation_id: str | None,
     sent_at: datetime,
-) -> TicketEvent | Ignored | Rejection:
+) -> TicketEvent | NotATicketEvent | Rejection:
     """What a verified body says: a ticket event, an ignored event, or why it is invalid
     (422). `sent_at` (the signature's time) stands in for a trigger body's missing time."""
     try:
         data = from_json(body, allow_inf_nan=False)
     except ValueError as exc:
         return _invalid(f"body is not valid JSON: {exc}")
+    if (key := ingest.duplicate_key(body)) is not None:
+        return _invalid(f"body names the key {key!r} twice in one object")
     if not isinstance(data, dict):
         return _invalid("body must be a JSON object: a Zendesk event or the trigger template")
     fallback_id = _event_id(invocation_id)
@@ -171,12 +157,12 @@ def to_delivery(event: TicketEvent) -> ingest.Delivery | Rejection:
 
 def _subscription_event(
     data: Mapping[str, Any], tenant_field: ZendeskTenantField, fallback_id: str | None
-) -> TicketEvent | Ignored | Rejection:
+) -> TicketEvent | NotATicketEvent | Rejection:
     kind: str = data["type"]
     if not kind.startswith(TICKET_EVENT_PREFIX):
         if (bad := unsafe_character(kind)) is not None or len(kind) > KEY_MAX_LENGTH:
             return _invalid(f"type: not an event type ({bad or 'too long'})")
-        return Ignored(kind)
+        return NotATicketEvent(kind)
     detail = data.get("detail")
     if not isinstance(detail, dict):
         return _invalid("detail: expected the ticket (an object)")

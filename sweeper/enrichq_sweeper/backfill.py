@@ -1,15 +1,5 @@
-"""The backfill: enqueue every ticket consumers can read that enrichq never enriched.
-
-Parity compares a window of recent tickets; consumers read every ticket. A ticket created
-before the shadow run began has legacy rows but no enrichment, and a cutover would show its
-consumers nothing. `enrichq backfill` walks the help desk's mirror (of one tenant, or every
-one; created since a date, or ever) in id order, a page per transaction, and enqueues a
-`backfill` row for each ticket enrichq never enriched that has no open queue row; then,
-with no tenant asked for, the tickets with legacy rows that the mirror lacks. Backfill rows
-are served after every other kind of work and never aged up (the claim's order), so they
-use the fleet's spare capacity, within the daily bytes budget and the warehouse cap like
-any lookup. The action is audited: one audit row, its rows added page by page.
-"""
+"""The backfill: enqueue every ticket consumers can read that enrichq never enriched, as
+low-priority `backfill` rows, a page of the mirror per transaction, audited."""
 
 from __future__ import annotations
 
@@ -44,7 +34,7 @@ def _queries() -> Queries:
 
 
 @dataclass(frozen=True, slots=True)
-class Scope:
+class BackfillScope:
     """Which tickets a backfill walks: a tenant ('' = none; None: every tenant, and the
     tickets the mirror lacks) and those created since a time (None: ever)."""
 
@@ -56,7 +46,7 @@ class Scope:
 class BackfillResult:
     """What a backfill did (dry run: would do)."""
 
-    scope: Scope
+    scope: BackfillScope
     dry_run: bool
     scanned: int
     never_enriched: int
@@ -88,7 +78,7 @@ def _statements(conn: sa.Connection, settings: Settings) -> dict[str, sa.TextCla
     }
 
 
-def count(engine: sa.Engine, settings: Settings, scope: Scope) -> int:
+def count(engine: sa.Engine, settings: Settings, scope: BackfillScope) -> int:
     """How many tickets the backfill of `scope` walks (for a progress bar)."""
     with engine.connect() as conn:
         statements = _statements(conn, settings)
@@ -102,7 +92,7 @@ def count(engine: sa.Engine, settings: Settings, scope: Scope) -> int:
 def run(
     engine: sa.Engine,
     settings: Settings,
-    scope: Scope,
+    scope: BackfillScope,
     *,
     actor: str,
     dry_run: bool = False,

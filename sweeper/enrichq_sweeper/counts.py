@@ -1,12 +1,5 @@
-"""Terminal counts: the sweeper leader recounts done, failed and dead-letter rows once a pass.
-
-Counting the terminal rows walks the retained history (30 days of done rows, 90 of dead
-letters), which no scrape should do. So the leader counts them once per pass, index-only
-over the two finished-row indexes (steered to them: see `run_once`), into
-`enrichq.queue_counts`, and every process's /metrics reads that small table (open rows are
-still counted live, through their partial indexes). The gauges are then as fresh as the
-last pass; `enrichq_queue_counted_timestamp_seconds` says how fresh.
-"""
+"""Terminal counts: the sweeper leader recounts done, failed and dead-letter rows once a
+pass into `enrichq.queue_counts`, which /metrics reads instead of the history."""
 
 from __future__ import annotations
 

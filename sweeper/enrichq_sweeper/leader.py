@@ -1,16 +1,5 @@
-"""One active sweeper among any number of replicas.
-
-In session pool mode (the default) leadership is a session-level Postgres advisory lock
-(`LeaderLock`) on a dedicated connection. When the process dies, its connection closes and
-the server releases the lock, so a waiting replica takes over at its next try; nothing has
-to expire first.
-
-Behind a transaction pooler (ENRICHQ_POOL_MODE=transaction) no session stays ours between
-transactions, so a session lock would be held by whichever client the pooler lends that
-server session to next. There leadership is a lease row instead (`LeaderLease`,
-`enrichq.leader_leases`): the leader renews it at every check; a replica takes a row whose
-lease has run out, so after a leader dies outright another leads within one lease.
-"""
+"""One active sweeper among any number of replicas: a session advisory lock, or a lease
+row behind a transaction pooler."""
 
 from __future__ import annotations
 

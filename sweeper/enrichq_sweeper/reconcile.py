@@ -1,18 +1,5 @@
-"""The reconcile pass: enqueue the tickets the help desk changed without an event for them.
-
-A help desk's webhook delivery is best effort (Zendesk's circuit breaker drops events while
-it is tripped), so a ticket can change in the mirror with no event ever reaching enrichq.
-A pass walks the tickets updated in the last week, but not within the visibility delay (an
-event sent for that change has had its time to arrive), in (updated_at, id) order, a page at
-a time in a transaction of its own, and enqueues an `enrich` row with reason `reconcile`,
-visible now, for each that was never looked up or whose last lookup started before its last
-change, unless it has open work of any kind or the queue gave up on it after that change.
-The rows carry the ticket's tenant and its plan's priority like any enqueue, so pauses
-(obeyed by every claim), cancels and fairness treat them as that tenant's work. Every row it
-enqueues is an event that went missing upstream: `enrichq_reconciled_total{tenant}` counts
-them, and an alert fires when it keeps growing. The walk uses the mirror's (updated_at, id)
-index, like the refresh schedule.
-"""
+"""The reconcile pass: enqueue the tickets the help desk changed without an event for them
+(a webhook delivery is best effort), a page of recently updated tickets per transaction."""
 
 from __future__ import annotations
 
@@ -38,9 +25,7 @@ START: tuple[datetime, str] = (datetime.min.replace(tzinfo=UTC), "")
 @cache
 def _statement(tickets_table: str, dialect: sa.Dialect) -> sa.TextClause:
     """reconcile_enqueue_page with the tickets table's validated, quoted name in it."""
-    return render(
-        sql()["reconcile_enqueue_page"], tickets_table=qualified(dialect, tickets_table)
-    )
+    return render(sql()["reconcile_enqueue_page"], tickets_table=qualified(dialect, tickets_table))
 
 
 def quiet_seconds(settings: Settings) -> float:

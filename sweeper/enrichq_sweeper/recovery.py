@@ -1,13 +1,5 @@
-"""Lease recovery: expired leases back to the queue, or to the dead letters (DESIGN §3, sweep).
-
-A pass walks the expired leases by an id cursor, one transaction per page. The scan reads a
-page; the write (one statement) locks the page's rows that are still expired leases, in
-the global lock order, and decides per row: a spent row is dead-lettered
-(`attempts_exhausted`) and handed to the gave-up hook; a row whose key has a queued row
-of its kind is dead-lettered as superseded by it; any other goes back to the queue,
-visible now. A key holds one lease at most (`queue_leased_key_uq`), so no two expired
-rows of a key ever compete for the queue.
-"""
+"""Lease recovery: expired leases back to the queue, or to the dead letters, a page per
+transaction."""
 
 from __future__ import annotations
 
@@ -130,6 +122,25 @@ def scan(
     return [Expired(*r) for r in rows]
 
 
+@dataclass(frozen=True, slots=True)
+class ExpiredPage:
+    """A page of expired leases as a pass needs it: ids in the lock order, the cursor."""
+
+    ids: tuple[int, ...]  # (key, kind, id) in byte order, as `lock_order` sorts
+    last_id: int  # the highest id of the page (0 when empty)
+
+
+def scan_page(
+    conn: sa.Connection, *, after_id: int, batch_size: int, now: datetime | None = None
+) -> ExpiredPage:
+    """The page `scan` reads, in one row: no object per lease, no sort in Python."""
+    ids, last_id, _ = conn.execute(
+        sql()("recovery_scan_page"),
+        {"after_id": after_id, "batch_size": batch_size, "now": now},
+    ).one()
+    return ExpiredPage(tuple(ids or ()), int(last_id or 0))
+
+
 def lock_order(row: Expired) -> tuple[bytes, bytes, int]:
     """The global lock order of queue rows, (key, kind, id) in byte order (sql/queue.sql)."""
     return row.key.encode(), row.kind.encode(), row.id
@@ -152,11 +163,16 @@ def recover_batch(
     """
     if not page:
         return BatchOutcome()
-    ordered = sorted(page, key=lock_order)
+    ordered = [e.id for e in sorted(page, key=lock_order)]
+    return _write(conn, ordered, now=now, rerun_lost_races=rerun_lost_races)
+
+
+def _write(
+    conn: sa.Connection, ids: Sequence[int], *, now: datetime | None, rerun_lost_races: bool
+) -> BatchOutcome:
+    """`recover_batch` of the rows `ids`, given in the lock order."""
     params = {
-        "ids": [e.id for e in ordered],
-        "kinds": sorted({e.kind for e in page}),
-        "keys": sorted({e.key for e in page}),
+        "ids": list(ids),
         "lease_expired": LEASE_EXPIRED_ERROR,
         "channel": NOTIFY_CHANNEL,
         "now": now,
@@ -182,21 +198,21 @@ def recover_batch(
 
 
 def _recover_page(
-    conn: sa.Connection, page: Sequence[Expired], now: datetime | None, *, savepoint: bool
+    conn: sa.Connection, page: ExpiredPage, now: datetime | None, *, savepoint: bool
 ) -> BatchOutcome | None:
     """`recover_batch`, without a savepoint unless asked; None (and the transaction rolled
     back) when an enqueue committed during the write took a key's queued slot: the caller
     does the page again, from a new scan that sees that row (with a savepoint then, so a
     key enqueued over and over cannot keep the page from finishing)."""
     if savepoint:
-        return recover_batch(conn, page, now=now)
+        return _write(conn, page.ids, now=now, rerun_lost_races=True)
     import sqlalchemy.exc as sa_exc
 
     from enrichq_schema.errors import constraint_name
     from enrichq_schema.tables import QUEUED_KEY_INDEX
 
     try:
-        return recover_batch(conn, page, now=now, rerun_lost_races=False)
+        return _write(conn, page.ids, now=now, rerun_lost_races=False)
     except sa_exc.IntegrityError as exc:
         if constraint_name(exc) != QUEUED_KEY_INDEX:
             raise
@@ -237,8 +253,8 @@ def run_once(
                 break
             with conn.begin():
                 set_statement_timeout(conn, statement_timeout_seconds)
-                page = scan(conn, after_id=after_id, batch_size=batch_size, now=now)
-                if not page:
+                page = scan_page(conn, after_id=after_id, batch_size=batch_size, now=now)
+                if not page.ids:
                     break
                 locked_at = time.perf_counter()
                 outcome = _recover_page(conn, page, now, savepoint=lost_race)
@@ -259,8 +275,8 @@ def run_once(
                     hook_errors += 1
                     ids = ", ".join(str(g.id) for g in outcome.exhausted)
                     log.exception("the gave-up hook failed for queue ids %s", ids)
-            after_id = page[-1].id
-            if len(page) < batch_size:
+            after_id = page.last_id
+            if len(page.ids) < batch_size:
                 break
     return RecoveryResult(
         promoted=promoted,

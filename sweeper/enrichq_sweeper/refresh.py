@@ -1,18 +1,5 @@
-"""The refresh schedule: re-enrich recently active tickets whose enrichment is stale.
-
-Late orders reach agents this way: a ticket updated in the last week whose last enrichment
-is more than a day old gets one `refresh` row, visible now, with the ticket's tenant (from
-the mirror) and its plan's priority, like any enqueue, so pauses, cancels and fairness see it
-as that tenant's work; a ticket without a tenant is ownerless (the middle plan). A ticket
-the queue gave up on (failed, or dead-lettered for a reason other than being superseded)
-after its last enrichment gets nothing until it is redriven, and a ticket never enriched is
-its enrich row's business, not refresh's.
-
-A pass walks the tickets updated in the last week in (updated_at, id) order, a page at a
-time in a transaction of its own, so its cost follows recent activity, never the size of
-the history, and no statement inserts more than a page of rows. The mirror needs an index
-on (updated_at, id) for that walk (docs/operations.md).
-"""
+"""The refresh schedule: re-enrich recently active tickets whose enrichment is stale, a
+page of recently updated tickets per transaction."""
 
 from __future__ import annotations
 
@@ -45,7 +32,7 @@ def _statement(tickets_table: str, dialect: sa.Dialect) -> sa.TextClause:
 
 
 @dataclass(frozen=True, slots=True)
-class Page:
+class RefreshPage:
     """What one page of the schedule did, and where the next one starts."""
 
     inserted: int
@@ -60,7 +47,7 @@ def enqueue_page(
     after: tuple[datetime, str] = START,
     batch_size: int = DEFAULT_BATCH_SIZE,
     now: datetime | None = None,
-) -> Page:
+) -> RefreshPage:
     """Enqueue the refresh rows due among the next `batch_size` recently updated tickets
     after the cursor `after`, and wake the workers; the caller commits."""
     row = conn.execute(
@@ -80,7 +67,7 @@ def enqueue_page(
     if row.inserted:
         conn.execute(sql()("queue_notify"), {"kind": Kind.REFRESH.value, "channel": NOTIFY_CHANNEL})
     last = None if row.scanned < batch_size else (row.last_updated_at, row.last_id)
-    return Page(int(row.inserted), int(row.scanned), last)
+    return RefreshPage(int(row.inserted), int(row.scanned), last)
 
 
 def run_once(

@@ -1,13 +1,5 @@
-"""`enrichq sweep`: elect one leader among the replicas, then run the tasks on a schedule.
-
-The leader runs lease recovery and the terminal counts of /metrics every
-ENRICHQ_SWEEP_INTERVAL_SECONDS, retention daily, the refresh enqueue every
-ENRICHQ_REFRESH_INTERVAL_SECONDS, reconcile every ENRICHQ_RECONCILE_INTERVAL_SECONDS (0: never)
-and, when
-ENRICHQ_PARITY_INTERVAL_HOURS > 0, parity; the others retry the leader lock every few
-seconds and take over when the leader dies. APScheduler is imported only here, so the CLI
-stays quick to start.
-"""
+"""`enrichq sweep`: elect one leader among the replicas, then run the sweeper's tasks on a
+schedule."""
 
 from __future__ import annotations
 
@@ -155,7 +147,7 @@ def run_sweeper(
     `tell` says one line to the operator (a refused setting, a failed pass).
 
     With ENRICHQ_PARITY_INTERVAL_HOURS set, the leader also runs `scheduled_parity`."""
-    from enrichq_schema.connections import create_engine, preflight
+    from enrichq_schema.connections import engine_from_settings, preflight
 
     try:
         hook = load_hook(settings.gave_up_hook)
@@ -166,7 +158,7 @@ def run_sweeper(
     # exit 2, before anything else
     preflight(settings, url, mirror=True)
     owner = process_id()
-    engine = create_engine(
+    engine = engine_from_settings(
         settings,
         url,
         application_name="enrichq-sweeper",

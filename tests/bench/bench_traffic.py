@@ -85,7 +85,12 @@ def worker_child(*, url: str, window: float, latency: float, stop: Any, out: Any
             worker = Worker(
                 settings, engines.queue, warehouse=engines.warehouse, claims=engines.claims
             )
-            threading.Thread(target=lambda: (stop.wait(), worker.stop.set()), daemon=True).start()
+
+            def stop_when_told() -> None:
+                stop.wait()
+                worker.stop.set()
+
+            threading.Thread(target=stop_when_told, daemon=True).start()
             worker.run()
         finally:
             engines.dispose()
@@ -95,7 +100,13 @@ def worker_child(*, url: str, window: float, latency: float, stop: Any, out: Any
 
 
 def run_rate(
-    url: str, keys: list[str], *, rate: float, seconds: float, window: float, latency: float,
+    url: str,
+    keys: list[str],
+    *,
+    rate: float,
+    seconds: float,
+    window: float,
+    latency: float,
     delay: float,
 ) -> Run:
     """Events at `rate` for `seconds`, two workers with the window `window`, until done."""
@@ -121,9 +132,7 @@ def run_rate(
         for p in procs:
             p.start()
         time.sleep(5)  # the workers up and idle before the first event
-        settings = make_settings(
-            url, delay_updated_seconds=delay, lookup_window_seconds=window
-        )
+        settings = make_settings(url, delay_updated_seconds=delay, lookup_window_seconds=window)
         count = int(rate * seconds)
         start = time.monotonic()
         for i, key in enumerate(keys[:count]):
@@ -194,8 +203,12 @@ def main() -> None:
             conn.execute(sa.text("ANALYZE"))
         engine.dispose()
         for rate in rates:
-            kw = {"rate": rate, "seconds": args.seconds, "latency": args.latency,
-                  "delay": args.delay}
+            kw = {
+                "rate": rate,
+                "seconds": args.seconds,
+                "latency": args.latency,
+                "delay": args.delay,
+            }
             on = run_rate(url, keys, window=args.window, **kw)
             off = run_rate(url, keys, window=0.0, **kw)
             runs.append((on, off))
@@ -203,10 +216,18 @@ def main() -> None:
     verdicts: list[str] = []
     for on, off in runs:
         for r in (on, off):
-            rows.append([
-                f"{r.rate:g}/s", f"{r.window:g} s" if r.window else "off", r.tickets, r.queries,
-                r.per_query, r.mb_per_ticket, r.p50, r.p99,
-            ])
+            rows.append(
+                [
+                    f"{r.rate:g}/s",
+                    f"{r.window:g} s" if r.window else "off",
+                    r.tickets,
+                    r.queries,
+                    r.per_query,
+                    r.mb_per_ticket,
+                    r.p50,
+                    r.p99,
+                ]
+            )
         want = MIN_TICKETS_PER_QUERY.get(on.rate, MIN_TICKETS_PER_QUERY_DEFAULT)
         saving = off.mb_per_ticket / on.mb_per_ticket
         added = on.p99 - off.p99
@@ -223,8 +244,16 @@ def main() -> None:
     print_table(
         f"enrichq at steady traffic: {WORKERS} workers, BigQuery model "
         f"{args.latency * 1000:g} ms a query, {args.seconds:g} s of arrivals a rate",
-        ["events", "window", "tickets", "queries", "tickets/query", "MB billed/ticket",
-         "latency p50 s", "latency p99 s"],
+        [
+            "events",
+            "window",
+            "tickets",
+            "queries",
+            "tickets/query",
+            "MB billed/ticket",
+            "latency p50 s",
+            "latency p99 s",
+        ],
         rows,
         note="; ".join(verdicts)
         + ". Latency: from the event's arrival + visibility delay to done.",

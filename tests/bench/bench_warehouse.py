@@ -7,7 +7,7 @@ the local default) seeded with one world, whose warehouse is also copied into a 
 file: one worker process at a time (concurrency 8, the default) drains the queue
 
 1. with the per-ticket built-in lookup (`warehouse_lookup`), and
-2. with the batched built-in lookup (the default, batches of 50),
+2. with the batched built-in lookup (the default, batches of ENRICHQ_LOOKUP_BATCH_SIZE),
 
 both against a MODEL of BigQuery (tests/support/warehouse_model.py, over the PostgreSQL
 warehouse): every query waits --latency seconds (default 0.8) and bills the bytes of the
@@ -32,7 +32,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from enrichq_schema.db import create_engine, create_warehouse_engine
-from enrichq_schema.settings import Settings
+from enrichq_schema.settings import LOOKUP_BATCH_SIZE_DEFAULT, Settings
 from enrichq_service import queue, seed
 from enrichq_service.queue import EnqueueRequest
 from tests.bench.common import print_table, scratch_database
@@ -188,7 +188,7 @@ def main() -> None:
                 url,
                 url,
                 keys,
-                label="batched (built-in, batch 50)",
+                label=f"batched (built-in, batch {LOOKUP_BATCH_SIZE_DEFAULT})",
                 warehouse="BigQuery model over PostgreSQL",
                 enricher=None,
                 latency=args.latency,
@@ -197,7 +197,7 @@ def main() -> None:
                 url,
                 url,
                 keys,
-                label="batched (built-in, batch 50)",
+                label=f"batched (built-in, batch {LOOKUP_BATCH_SIZE_DEFAULT})",
                 warehouse="PostgreSQL",
                 enricher=None,
                 latency=0,
@@ -206,7 +206,7 @@ def main() -> None:
                 url,
                 duckdb_url,
                 keys,
-                label="batched (built-in, batch 50)",
+                label=f"batched (built-in, batch {LOOKUP_BATCH_SIZE_DEFAULT})",
                 warehouse="DuckDB (duckdb-engine)",
                 enricher=None,
                 latency=0,

@@ -20,7 +20,9 @@ TRIALS = 20
 SENDERS = 4
 
 
-def deliver(engine: sa.Engine, settings: Settings, event_id: str, key: str) -> ingest.Outcome:
+def deliver(
+    engine: sa.Engine, settings: Settings, event_id: str, key: str
+) -> ingest.DeliveryResult:
     with engine.begin() as conn:
         [outcome] = ingest.enqueue(
             conn, [ingest.Delivery(event_id, EnqueueRequest.build(key=key))], settings=settings

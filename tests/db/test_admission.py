@@ -12,7 +12,12 @@ from prometheus_client import REGISTRY
 from tests.support.settings import make_settings
 
 from enrichq_schema.db import create_engine
-from enrichq_service.worker.admission import ADMISSION_LOCK_SPACE, Admission, Admitted, Refused
+from enrichq_service.worker.admission import (
+    ADMISSION_LOCK_SPACE,
+    Admission,
+    AdmissionRefused,
+    Admitted,
+)
 
 
 def sample(name: str, **labels: str) -> float:
@@ -52,7 +57,7 @@ def test_lookups_of_unknown_cost_in_flight_count_at_the_known_average(
     in_flight(db_engine, "other:1:a", 0)
     in_flight(db_engine, "other:2:b", 0)
     admission = Admission(db_engine, make_settings(db_url, daily_bytes_budget=100), "me:3:c")
-    with pytest.raises(Refused) as refused:
+    with pytest.raises(AdmissionRefused) as refused:
         admission.admit(threading.Event())
     assert refused.value.reason == "budget"
 
@@ -156,7 +161,7 @@ def test_a_wait_for_a_cost_estimate_is_not_labelled_cap(db_url: str, db_engine: 
     first = admission.admit(threading.Event())
     assert first.unknown_cost
     before = {r: sample("enrichq_warehouse_deferrals_total", reason=r) for r in ("cap", "estimate")}
-    with pytest.raises(Refused) as refused:
+    with pytest.raises(AdmissionRefused) as refused:
         admission.admit(threading.Event())
     assert refused.value.reason == "estimate"
     after = {r: sample("enrichq_warehouse_deferrals_total", reason=r) for r in ("cap", "estimate")}

@@ -18,6 +18,7 @@ from tests.support.settings import make_settings
 from enrichq_parity.cutover import VIEW
 from enrichq_service import queue
 from enrichq_service.cli import main
+from enrichq_service.observe import families, read_snapshot
 from enrichq_service.queue import EnqueueRequest
 from enrichq_service.worker import Worker
 
@@ -101,6 +102,10 @@ def test_backfill_enqueues_what_consumers_read_and_enrichq_never_enriched(
     assert main(["status", "--json"]) == 0
     counts = json.loads(capsys.readouterr().out)["counts"]
     assert counts["backfill"]["queued"] == 13
+    with db_engine.connect() as conn:
+        [rows] = [f for f in families(read_snapshot(conn)) if f.name == "enrichq_queue_rows"]
+    shown = {(s.labels["kind"], s.labels["state"]): s.value for s in rows.samples}
+    assert shown[("backfill", "queued")] == 13
 
 
 def test_backfill_progress_is_plain_lines_without_a_terminal(

@@ -24,7 +24,7 @@ from enrichq_parity.cutover import (
     CutoverError,
     CutoverRefused,
     CutoverResult,
-    Mode,
+    ViewMode,
     ViewState,
     ensure_view,
     repoint,
@@ -246,13 +246,13 @@ def test_moving_two_tenants_is_all_or_nothing(world: tuple[sa.Engine, Settings])
 def test_a_tenant_moves_alone_and_back(world: tuple[sa.Engine, Settings]) -> None:
     engine, settings = world
     with engine.begin() as conn:
-        assert ensure_view(conn, settings) == ViewState(Mode.LEGACY)
+        assert ensure_view(conn, settings) == ViewState(ViewMode.LEGACY)
         run_id = add_run(conn)
     assert sides(engine) == ALL_LEGACY
 
     result = move(engine, settings, Action.CUTOVER, ["acme"], actor="carol")
     assert result.changed
-    assert result.state == ViewState(Mode.STAGED, frozenset({"acme"}))
+    assert result.state == ViewState(ViewMode.STAGED, frozenset({"acme"}))
     assert sides(engine) == {"acme": "shadow", "globex": "legacy", "initech": "legacy"}
     assert "tenant acme now reads enrichq.ticket_orders;" in result.message
     assert f"parity run #{run_id} passed 0.1 h ago, approved by alice; event #" in result.message
@@ -266,13 +266,13 @@ def test_a_tenant_moves_alone_and_back(world: tuple[sa.Engine, Settings]) -> Non
     assert sides(engine) == {"acme": "shadow", "globex": "shadow", "initech": "legacy"}
 
     back = move(engine, settings, Action.ROLLBACK, ["acme"], actor="dave")
-    assert back.state == ViewState(Mode.STAGED, frozenset({"globex"}))
+    assert back.state == ViewState(ViewMode.STAGED, frozenset({"globex"}))
     assert sides(engine) == {"acme": "legacy", "globex": "shadow", "initech": "legacy"}
     move(engine, settings, Action.ROLLBACK, ["globex"], actor="dave")
     assert sides(engine) == ALL_LEGACY
     with engine.connect() as conn:
         # the last tenant back: the view reads the legacy table alone again
-        assert ensure_view(conn, settings) == ViewState(Mode.LEGACY)
+        assert ensure_view(conn, settings) == ViewState(ViewMode.LEGACY)
         assert (
             conn.execute(sa.text("SELECT count(*) FROM enrichq_public.cutover_tenants")).scalar()
             == 0
@@ -306,7 +306,7 @@ def test_whole_cutover_and_rollback(world: tuple[sa.Engine, Settings]) -> None:
         run_id = add_run(conn)
     move(engine, settings, Action.CUTOVER, ["acme"])
     whole = move(engine, settings, Action.CUTOVER, None, actor="erin")
-    assert whole.state == ViewState(Mode.SHADOW)
+    assert whole.state == ViewState(ViewMode.SHADOW)
     assert whole.message.startswith(
         f"every tenant now reads {SHADOW_TABLE}; {VIEW} reads {SHADOW_TABLE} for every tenant;"
     )
@@ -316,7 +316,7 @@ def test_whole_cutover_and_rollback(world: tuple[sa.Engine, Settings]) -> None:
     ):
         move(engine, settings, Action.ROLLBACK, ["acme"])
     back = move(engine, settings, Action.ROLLBACK, None, actor="frank")
-    assert back.state == ViewState(Mode.LEGACY)
+    assert back.state == ViewState(ViewMode.LEGACY)
     assert sides(engine) == ALL_LEGACY
     assert not move(engine, settings, Action.ROLLBACK, None).changed
     assert events(engine) == [
@@ -332,7 +332,7 @@ def test_a_full_rollback_takes_a_staged_cutover_back(world: tuple[sa.Engine, Set
         add_run(conn)
     move(engine, settings, Action.CUTOVER, ["acme", "globex"])
     back = move(engine, settings, Action.ROLLBACK, None)
-    assert back.state == ViewState(Mode.LEGACY)
+    assert back.state == ViewState(ViewMode.LEGACY)
     assert sides(engine) == ALL_LEGACY
     assert events(engine)[-1][:2] == ("rollback", None)
 
@@ -547,7 +547,7 @@ def test_status_says_per_tenant_what_consumers_read(world: tuple[sa.Engine, Sett
     move(engine, settings, Action.ROLLBACK, ["globex"], actor="dave")
     with engine.connect() as conn:
         report = status(conn, settings)
-    assert report.state == ViewState(Mode.STAGED, frozenset({"acme"}))
+    assert report.state == ViewState(ViewMode.STAGED, frozenset({"acme"}))
     got = {t.tenant: (t.reads, t.actor, t.parity_run_id) for t in report.tenants}
     assert got == {
         "acme": (SHADOW_TABLE, "carol", run_id),

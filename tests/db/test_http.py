@@ -430,7 +430,7 @@ def test_the_secret_never_appears_in_errors_or_metrics(client: TestClient) -> No
 def test_openapi_describes_the_real_shapes(client: TestClient) -> None:
     spec = client.get("/openapi.json").json()
     post = spec["paths"]["/v1/events"]["post"]
-    assert set(post["responses"]) == {"202", "401", "413", "415", "422", "503"}
+    assert set(post["responses"]) == {"202", "400", "401", "413", "415", "422", "503"}
     body_ref = post["requestBody"]["content"]["application/json"]["schema"]["$ref"]
     schemas = spec["components"]["schemas"]
     body = schemas[body_ref.rsplit("/", 1)[1]]

@@ -45,9 +45,7 @@ def test_no_mirror_table_is_one_line_and_exit_2(
         assert conn.execute(sa.text("SELECT count(*) FROM enrichq.runs")).scalar_one() == 0
 
 
-def test_with_the_mirror_there_the_same_commands_start(
-    db_url: str, db_engine: sa.Engine
-) -> None:
+def test_with_the_mirror_there_the_same_commands_start(db_url: str, db_engine: sa.Engine) -> None:
     with db_engine.begin() as conn:
         conn.execute(
             sa.text(

@@ -375,6 +375,22 @@ def test_gauges_show_the_latest_run(every_class: tuple[sa.Engine, Settings]) -> 
     assert gauge("enrichq_parity_last_run_timestamp_seconds") == NOW.timestamp()
 
 
+def test_order_sets_compare_as_sets(db_engine: sa.Engine, db_url: str) -> None:
+    """A legacy order written twice, or the two sides in another order, is still the same
+    set: exact, its orders counted once; a set that holds the other and more is not."""
+
+    def build(conn: sa.Connection) -> None:
+        create_sources(conn)
+        add_ticket(conn, "T-twice", created_at=DAY1, legacy=["B", "A", "B"], shadow=["A", "B"])
+        add_ticket(conn, "T-order", created_at=DAY1, legacy=["Z", "Y"], shadow=["Y", "Z"])
+        add_ticket(conn, "T-more", created_at=DAY1, legacy=["M", "M"], shadow=["M", "N"])
+
+    seed(db_engine, build)
+    t = run(db_engine, parity_settings(db_url)).total
+    assert (t.compared, t.exact, t.count(TicketClass.EXTRA_ONLY)) == (3, 2, 1)
+    assert (t.legacy_orders, t.matched_orders) == (5, 5)
+
+
 def test_a_matching_world_passes(db_engine: sa.Engine, db_url: str) -> None:
     def build(conn: sa.Connection) -> None:
         create_sources(conn)
@@ -547,6 +563,31 @@ def test_parity_reads_the_replica_and_writes_the_primary(
     finally:
         replica.dispose()
         databases.drop(replica_url)
+
+
+def test_the_run_records_what_it_read_and_the_report_says_it(
+    every_class: tuple[sa.Engine, Settings],
+) -> None:
+    """A run records the time of the data it judged and the replica's lag (none on a
+    primary); the report says where it read, a standby's lag included, not only a log line."""
+    from dataclasses import replace
+
+    from enrichq_parity.parity import ReadSide
+    from enrichq_parity.report import to_html
+
+    engine, settings = every_class
+    report = run(engine, settings)
+    with engine.connect() as conn:
+        row = conn.execute(
+            sa.text("SELECT data_at, replica_lag_seconds FROM enrichq.parity_runs WHERE id = :id"),
+            {"id": report.run_id},
+        ).one()
+    assert (row.data_at, row.replica_lag_seconds) == (NOW, None)
+    assert "the primary, as of 2024-03-10 12:00:00 UTC" in to_html(report)
+    standby = ReadSide(standby=True, lag_seconds=108000.0).describe(NOW - timedelta(hours=30))
+    assert standby == "a standby 108000.0 s behind: its data is as of 2024-03-09 06:00:00 UTC"
+    shown = to_html(replace(report, sources={**report.sources, "read_side": standby}))
+    assert standby in shown
 
 
 def _day_plan(engine: sa.Engine, *, seqscan: bool) -> list[Mapping[str, object]]:

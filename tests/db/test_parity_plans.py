@@ -114,6 +114,7 @@ def test_the_day_query_probes_each_ticket_once_per_table(world: sa.Engine) -> No
     )
     assert tickets > 300
     assert 0 < no_legacy < tickets // 10
+    assert 0 < differing < tickets // 10
     tables = {
         ("legacy", "ticket_orders"),
         ("enrichq", "ticket_orders"),
@@ -146,4 +147,4 @@ def test_coverage_hashes_no_legacy_ticket_id_the_mirror_has(world: sa.Engine) ->
             assert fed < legacy_rows, (node["Group Key"], fed)
     for table in ("ticket_orders", "ticket_enrichments"):
         reads = [n for n in nodes if _on(n, "enrichq", table)]
-        assert len([n for n in reads if "Seq Scan" in n["Node Type"]]) == 1, table
+        assert len([n for n in reads if "Seq Scan" in n["Node Type"]]) <= 1, table

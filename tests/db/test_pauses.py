@@ -15,7 +15,7 @@ from enrichq_schema.states import AuditCommand
 from enrichq_service import queue
 from enrichq_service.cli import main
 from enrichq_service.controls import pauses
-from enrichq_service.controls.pauses import Scope
+from enrichq_service.controls.pauses import PauseScope
 from enrichq_service.observe import families, read_snapshot
 from enrichq_service.queue import EnqueueRequest
 from enrichq_service.status import collect
@@ -68,16 +68,16 @@ def test_the_claim_skips_what_a_pause_covers(
     world: sa.Connection, kind: str | None, tenant: str | None, left: list[tuple[str, str]]
 ) -> None:
     assert claimable(world) == EVERYTHING
-    pauses.pause(world, Scope.build(kind=kind, tenant=tenant), actor="ops", now=T0)
+    pauses.pause(world, PauseScope.build(kind=kind, tenant=tenant), actor="ops", now=T0)
     assert claimable(world) == left
-    assert [p.scope for p in pauses.resume(world, Scope(kind, tenant), actor="ops")] == [
-        Scope(kind, tenant)
+    assert [p.scope for p in pauses.resume(world, PauseScope(kind, tenant), actor="ops")] == [
+        PauseScope(kind, tenant)
     ]
     assert claimable(world) == EVERYTHING
 
 
 def test_ingest_goes_on_while_paused(world: sa.Connection) -> None:
-    pauses.pause(world, Scope(None, None), actor="ops", now=T0)
+    pauses.pause(world, PauseScope(None, None), actor="ops", now=T0)
     put(world, "A-1", tenant="acme")  # merges into the queued row
     put(world, "A-3", tenant="acme")
     rows = world.execute(
@@ -88,20 +88,22 @@ def test_ingest_goes_on_while_paused(world: sa.Connection) -> None:
 
 
 def test_resume_takes_exactly_the_scope_that_was_paused(world: sa.Connection) -> None:
-    pauses.pause(world, Scope(None, "acme"), actor="ops", reason="warehouse", now=T0)
+    pauses.pause(world, PauseScope(None, "acme"), actor="ops", reason="warehouse", now=T0)
     # resuming enrich of acme, or everything, is not resuming "every kind of acme"
-    assert pauses.resume(world, Scope("enrich", "acme"), actor="ops") == []
-    assert pauses.resume(world, Scope(None, None), actor="ops") == []
-    assert [p.scope for p in pauses.in_place(world)] == [Scope(None, "acme")]
-    assert [p.scope for p in pauses.resume(world, None, actor="ops")] == [Scope(None, "acme")]
+    assert pauses.resume(world, PauseScope("enrich", "acme"), actor="ops") == []
+    assert pauses.resume(world, PauseScope(None, None), actor="ops") == []
+    assert [p.scope for p in pauses.in_place(world)] == [PauseScope(None, "acme")]
+    assert [p.scope for p in pauses.resume(world, None, actor="ops")] == [PauseScope(None, "acme")]
     assert pauses.in_place(world) == []
 
 
 def test_pausing_again_keeps_the_start_and_takes_the_new_reason(world: sa.Connection) -> None:
-    _, created = pauses.pause(world, Scope(None, "acme"), actor="ops", reason="a", now=T0)
+    _, created = pauses.pause(world, PauseScope(None, "acme"), actor="ops", reason="a", now=T0)
     assert created
     later = T0 + timedelta(hours=3)
-    again, created = pauses.pause(world, Scope(None, "acme"), actor="bob", reason="b", now=later)
+    again, created = pauses.pause(
+        world, PauseScope(None, "acme"), actor="bob", reason="b", now=later
+    )
     assert not created
     assert (again.paused_at, again.paused_by, again.reason) == (T0, "ops", "b")
     [in_place] = pauses.in_place(world, now=later)
@@ -109,10 +111,10 @@ def test_pausing_again_keeps_the_start_and_takes_the_new_reason(world: sa.Connec
 
 
 def test_every_pause_and_resume_is_audited(world: sa.Connection) -> None:
-    pauses.pause(world, Scope("enrich", "acme"), actor="ops", reason="warehouse down", now=T0)
-    pauses.pause(world, Scope("enrich", "acme"), actor="ops", now=T0)
-    pauses.resume(world, Scope("enrich", "acme"), actor="ops")
-    pauses.resume(world, Scope("enrich", "acme"), actor="ops")  # nothing: not recorded
+    pauses.pause(world, PauseScope("enrich", "acme"), actor="ops", reason="warehouse down", now=T0)
+    pauses.pause(world, PauseScope("enrich", "acme"), actor="ops", now=T0)
+    pauses.resume(world, PauseScope("enrich", "acme"), actor="ops")
+    pauses.resume(world, PauseScope("enrich", "acme"), actor="ops")  # nothing: not recorded
     entries = audit.recent(world, limit=10)
     assert [(e.command, e.rows_affected, dict(e.filter)) for e in entries] == [
         ("resume", 1, {"kind": "enrich", "tenant": "acme"}),
@@ -125,8 +127,8 @@ def test_every_pause_and_resume_is_audited(world: sa.Connection) -> None:
 
 
 def test_status_and_metrics_show_the_pauses(world: sa.Connection) -> None:
-    pauses.pause(world, Scope(None, "acme"), actor="ops", reason="warehouse", now=T0)
-    pauses.pause(world, Scope("refresh", None), actor="ops", now=T0 + timedelta(minutes=5))
+    pauses.pause(world, PauseScope(None, "acme"), actor="ops", reason="warehouse", now=T0)
+    pauses.pause(world, PauseScope("refresh", None), actor="ops", now=T0 + timedelta(minutes=5))
     report = collect(world)
     assert [(p["kind"], p["tenant"], p["reason"]) for p in report.pauses] == [
         (None, "acme", "warehouse"),

@@ -608,7 +608,7 @@ def test_refresh_work_is_its_tickets_tenants_so_pause_and_cancel_see_it(
     }
     assert rows == {"A-1": ("acme", 2), "N-1": (None, 1)}
 
-    pauses.pause(conn, pauses.Scope.build(kind=None, tenant="acme"), actor="ops", now=at(0))
+    pauses.pause(conn, pauses.PauseScope.build(kind=None, tenant="acme"), actor="ops", now=at(0))
     with conn.begin_nested() as sp:
         claimed = queue.claim(conn, owner="w", limit=10, lease_seconds=LEASE, now=at(1))
         sp.rollback()

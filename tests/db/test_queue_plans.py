@@ -220,6 +220,13 @@ STATEMENTS: dict[str, tuple[Queries, str, Callable[[History], dict[str, Any]], s
         {"queue_leased_expiry_idx"},
         False,
     ),
+    "sweeper_expired_scan_page": (
+        SWEEPER_SQL,
+        "recovery_scan_page",
+        lambda h: {"now": None, "after_id": 0, "batch_size": 1000},
+        {"queue_leased_expiry_idx"},
+        False,
+    ),
     "observe_open_counts": (OBSERVE_SQL, "observe_open_counts", lambda h: {}, set(), False),
     "observe_oldest_visible": (
         OBSERVE_SQL,

@@ -5,7 +5,6 @@ the ticket after the change. Its rows obey pauses like any enqueue."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -20,7 +19,7 @@ from enrichq_schema.settings import Settings
 from enrichq_schema.tables import queue, runs, tenants, ticket_enrichments
 from enrichq_service import queue as queue_ops
 from enrichq_service.controls import pauses
-from enrichq_service.controls.pauses import Scope
+from enrichq_service.controls.pauses import PauseScope
 from enrichq_sweeper import passes, reconcile
 from enrichq_sweeper.scheduler import _Tasks
 
@@ -32,7 +31,7 @@ QUIET = timedelta(seconds=600)
 
 
 @pytest.fixture
-def mirror(db_engine: sa.Engine) -> Iterator[sa.Engine]:
+def mirror(db_engine: sa.Engine) -> sa.Engine:
     with db_engine.begin() as conn:
         conn.execute(
             sa.text(
@@ -41,10 +40,12 @@ def mirror(db_engine: sa.Engine) -> Iterator[sa.Engine]:
                 " updated_at timestamptz)"
             )
         )
-    yield db_engine
+    return db_engine
 
 
-def ticket(conn: sa.Connection, key: str, updated_ago: timedelta, tenant: str | None = "acme") -> None:
+def ticket(
+    conn: sa.Connection, key: str, updated_ago: timedelta, tenant: str | None = "acme"
+) -> None:
     conn.execute(
         sa.text(
             "INSERT INTO helpdesk.tickets (id, requester_email, tenant, created_at, updated_at)"
@@ -163,7 +164,9 @@ def test_a_ticket_that_changes_again_after_its_lookup_is_reconciled_again(
         ticket(conn, "T-1", 20 * MINUTE)
     assert reconcile.run_once(mirror, settings, now=T0).by_tenant == {"acme": 1}
     with mirror.begin() as conn:  # looked up, done
-        conn.execute(sa.text("UPDATE enrichq.queue SET state = 'done', finished_at = :t"), {"t": T0})
+        conn.execute(
+            sa.text("UPDATE enrichq.queue SET state = 'done', finished_at = :t"), {"t": T0}
+        )
         looked_up(conn, "T-1", -MINUTE)
     assert reconcile.run_once(mirror, settings, now=T0 + 20 * MINUTE).enqueued == 0
     with mirror.begin() as conn:  # changed again, its event lost too
@@ -205,14 +208,12 @@ def test_a_pass_told_to_stop_ends_between_pages(mirror: sa.Engine, db_url: str) 
     assert (result.enqueued, result.pages, result.stopped) == (10, 1, True)
 
 
-def test_reconciled_rows_wait_out_a_pause_like_any_enqueue(
-    mirror: sa.Engine, db_url: str
-) -> None:
+def test_reconciled_rows_wait_out_a_pause_like_any_enqueue(mirror: sa.Engine, db_url: str) -> None:
     settings = make_settings(db_url)
     with mirror.begin() as conn:
         ticket(conn, "A-1", 20 * MINUTE, tenant="acme")
         ticket(conn, "G-1", 20 * MINUTE, tenant="globex")
-        pauses.pause(conn, Scope.build(kind="enrich", tenant="acme"), actor="ops", now=T0)
+        pauses.pause(conn, PauseScope.build(kind="enrich", tenant="acme"), actor="ops", now=T0)
     assert reconcile.run_once(mirror, settings, now=T0).by_tenant == {"acme": 1, "globex": 1}
 
     def claimable() -> list[str]:
@@ -223,7 +224,7 @@ def test_reconciled_rows_wait_out_a_pause_like_any_enqueue(
 
     assert claimable() == ["G-1"]
     with mirror.begin() as conn:
-        pauses.resume(conn, Scope("enrich", "acme"), actor="ops")
+        pauses.resume(conn, PauseScope("enrich", "acme"), actor="ops")
     assert claimable() == ["A-1", "G-1"]
 
 
@@ -233,7 +234,8 @@ def test_the_pass_without_the_mirror_is_recorded_as_an_error(
     settings = make_settings(db_url, tickets_table="nowhere.tickets")
     report = passes.reconcile_pass(db_engine, settings, now=T0)
     assert not report.ok
-    assert report.error is not None and "does not exist" in report.error
+    assert report.error is not None
+    assert "does not exist" in report.error
 
 
 def schedule_of(settings: Settings, engine: sa.Engine) -> dict[str, float]:
@@ -245,9 +247,10 @@ def test_the_interval_setting_schedules_the_pass_or_turns_it_off(
     db_engine: sa.Engine, db_url: str
 ) -> None:
     assert schedule_of(make_settings(db_url), db_engine)["reconcile"] == 900
-    assert schedule_of(make_settings(db_url, reconcile_interval_seconds=60), db_engine)[
-        "reconcile"
-    ] == 60
+    assert (
+        schedule_of(make_settings(db_url, reconcile_interval_seconds=60), db_engine)["reconcile"]
+        == 60
+    )
     assert "reconcile" not in schedule_of(
         make_settings(db_url, reconcile_interval_seconds=0), db_engine
     )
@@ -258,5 +261,5 @@ def test_an_interval_out_of_bounds_is_refused_naming_the_field(
     value: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("ENRICHQ_RECONCILE_INTERVAL_SECONDS", value)
-    with pytest.raises((SettingsError, ValueError), match="(?i)reconcile_interval_seconds"):
+    with pytest.raises((SettingsError, ValueError), match=r"(?i)reconcile_interval_seconds"):
         Settings.load()

@@ -201,6 +201,7 @@ def test_the_processes_take_the_largest_waits_and_schedules() -> None:
     for seconds in (
         settings.sweep_interval_seconds,
         settings.refresh_interval_seconds,
+        settings.reconcile_interval_seconds,
         settings.parity_interval_hours * 3600,
     ):
         fire = IntervalTrigger(seconds=seconds, timezone=UTC).get_next_fire_time(None, now)
@@ -224,17 +225,20 @@ def test_every_number_is_covered_here() -> None:
         "dead_letter_retention_days", "event_dedupe_hours", "poll_seconds",
         "heartbeat_seconds", "shutdown_grace_seconds", "sweep_interval_seconds",
         "refresh_interval_seconds", "parity_interval_hours", "parity_max_age_hours",
-        "parity_grace_seconds", "parity_window_days",
+        "parity_grace_seconds", "parity_window_days", "reconcile_interval_seconds",
     }  # fmt: skip
     # compared in Python only, or checked by their own tests: ports (the OS's range),
     # fractions (0 to 1), the network timeout (tests/db/test_network_timeouts.py), the
     # body size and signature tolerance (compared with a request's), pool sizes, ingest's
-    # database wait (an anyio timeout, tests/db/test_http_zendesk.py)
+    # database wait (an anyio timeout, tests/db/test_http_zendesk.py), serve's HTTP bounds
+    # (event-loop timers and counts, tests/db/test_http_robustness.py)
     elsewhere = {
         "http_port", "metrics_port", "parity_min_order_coverage",
         "parity_min_ticket_match_rate", "parity_max_shadow_fault_rate",
         "network_timeout_seconds", "max_body_bytes", "webhook_tolerance_seconds",
         "lookup_batch_size", "parity_concurrency", "ingest_database_timeout_seconds",
+        "http_header_timeout_seconds", "http_body_timeout_seconds", "http_max_connections",
+        "http_max_buffered_bytes",
     }  # fmt: skip
     assert used | elsewhere == set(numeric_settings())
     assert all(bounds(name)[1] < float("inf") for name in numeric_settings())

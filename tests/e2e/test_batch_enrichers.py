@@ -97,3 +97,25 @@ def test_a_failed_warehouse_query_is_transient_for_its_whole_batch(
     assert q(db_engine, "SELECT status, count(*) FROM enrichq.lookup_log GROUP BY 1") == [
         ("error", len(keys))
     ]
+
+
+def test_answers_under_unasked_ids_are_dropped_but_their_bytes_are_charged(
+    db_url: str, db_engine: sa.Engine
+) -> None:
+    """A batch enricher that answers for 3 tickets under ids it was not asked for, 3,000
+    bytes billed each: the tickets are missing (transient), the answers are dropped, logged
+    and counted, and the query's 9,000 bytes are charged to the batch's tickets."""
+    from prometheus_client import REGISTRY
+
+    keys = seeded(db_engine, 3)
+    before = REGISTRY.get_sample_value("enrichq_batch_unasked_answers_total") or 0.0
+    drain(db_url, db_engine, batch_enricher="tests.support.enrichers:unasked_keys")
+    after = REGISTRY.get_sample_value("enrichq_batch_unasked_answers_total") or 0.0
+    assert after - before == 3
+    assert q(db_engine, "SELECT DISTINCT state, attempts FROM enrichq.queue") == [("queued", 1)]
+    assert q(db_engine, "SELECT sum(bytes_billed), count(*) FROM enrichq.lookup_log") == [
+        (9000, len(keys))
+    ]
+    assert q(db_engine, "SELECT DISTINCT job_id FROM enrichq.lookup_log") == [("unasked-job",)]
+    assert q(db_engine, "SELECT bytes_billed FROM enrichq.budget_ledger") == [(9000,)]
+    assert q(db_engine, "SELECT count(*) FROM enrichq.ticket_orders") == [(0,)]

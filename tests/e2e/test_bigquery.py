@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -31,7 +32,7 @@ from tests.support.bigquery import (
 from tests.support.db import q
 from tests.support.procs import enrichq_env, spawn, stop, wait_for
 from tests.support.settings import make_settings
-from tests.support.world import add_tickets, enqueue, ticket_ids
+from tests.support.world import enqueue, ticket_ids
 
 from enrichq_schema.db import create_warehouse_engine
 from enrichq_schema.settings import Settings
@@ -109,10 +110,11 @@ def _json(row: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in row.items():
         if isinstance(v, Decimal):
-            v = str(v)
+            out[k] = str(v)
         elif hasattr(v, "isoformat"):
-            v = v.isoformat()
-        out[k] = v
+            out[k] = v.isoformat()
+        else:
+            out[k] = v
     return out
 
 
@@ -122,8 +124,12 @@ def world(db_engine: sa.Engine, tickets: int = 40) -> dict[str, list[dict[str, A
         seed.seed_world(conn, tickets=tickets)
         enqueue(conn, ticket_ids(conn))
         return {
-            "customers": [_json(dict(r._mapping)) for r in conn.execute(seed.SQL("seed_select_customers"))],
-            "orders": [_json(dict(r._mapping)) for r in conn.execute(seed.SQL("seed_select_orders"))],
+            "customers": [
+                _json(dict(r._mapping)) for r in conn.execute(seed.SQL("seed_select_customers"))
+            ],
+            "orders": [
+                _json(dict(r._mapping)) for r in conn.execute(seed.SQL("seed_select_orders"))
+            ],
         }
 
 
@@ -170,7 +176,8 @@ def test_a_worker_enriches_through_bigquery_with_bounded_labelled_jobs(
     jobs = layer.query_jobs(before)
     # one job per lookup: no ping, no other statement
     assert all("lower(c.email)" in j["configuration"]["query"]["query"] for j in jobs)
-    assert all("SELECT 1" not in r.path for r in layer.requests[before:])
+    # nor any other query (a connection's ping runs as a stateless query, jobs.query)
+    assert [r.body for r in layer.requests[before:] if re.search(r"/queries(\?|$)", r.path)] == []
     log = q(db_engine, "SELECT job_id, bytes_billed FROM enrichq.lookup_log")
     assert len(log) == tickets
     job_ids = {j["jobReference"]["jobId"] for j in jobs}
@@ -196,7 +203,12 @@ def test_a_worker_enriches_through_bigquery_with_bounded_labelled_jobs(
 def one_ticket(db_engine: sa.Engine, warehouse: sa.Engine) -> tuple[str, str]:
     """A world of one enqueued ticket whose customer has orders; its id, and the dataset."""
     rows = world(db_engine, tickets=12)
-    keep = q(db_engine, "SELECT t.id FROM helpdesk.tickets AS t" + EXPECTED.split("helpdesk.tickets AS t")[1] + " ORDER BY 1 LIMIT 1")[0][0]
+    keep = q(
+        db_engine,
+        "SELECT t.id FROM helpdesk.tickets AS t"
+        + EXPECTED.split("helpdesk.tickets AS t")[1]
+        + " ORDER BY 1 LIMIT 1",
+    )[0][0]
     with db_engine.begin() as conn:
         conn.execute(sa.text("DELETE FROM enrichq.queue WHERE key <> :k"), {"k": keep})
     return keep, load(warehouse, rows, SCHEMA)
@@ -223,9 +235,12 @@ def test_an_abandoned_lookup_cancels_its_job_and_charges_what_it_billed(
     # both jobs billed, both charged: the abandoned attempt's lookup-log row names its job
     assert layer.billed[first_id] == layer.billed[second_id] == 2 * MIN_BYTES_BILLED
     assert q(
-        db_engine, "SELECT attempt, job_id, bytes_billed, status FROM enrichq.lookup_log ORDER BY attempt"
+        db_engine,
+        "SELECT attempt, job_id, bytes_billed, status FROM enrichq.lookup_log ORDER BY attempt",
     ) == [(1, first_id, 2 * MIN_BYTES_BILLED, "error"), (2, second_id, 2 * MIN_BYTES_BILLED, "ok")]
-    assert q(db_engine, "SELECT bytes_billed FROM enrichq.budget_ledger") == [(4 * MIN_BYTES_BILLED,)]
+    assert q(db_engine, "SELECT bytes_billed FROM enrichq.budget_ledger") == [
+        (4 * MIN_BYTES_BILLED,)
+    ]
     assert q(db_engine, "SELECT state, attempts FROM enrichq.queue WHERE key = :k", k=ticket) == [
         ("done", 2)
     ]
@@ -255,6 +270,7 @@ def run_worker(env: dict[str, str], timeout: float = 120) -> subprocess.Complete
     ],
 )
 def test_a_worker_refuses_to_start_without_usable_credentials_or_tables(
+    *,
     db_url: str,
     db_engine: sa.Engine,
     warehouse: sa.Engine,
@@ -278,7 +294,9 @@ def test_a_worker_refuses_to_start_without_usable_credentials_or_tables(
         # no key, no gcloud login in HOME, and the metadata server's address on loopback
         # where nothing listens: google-auth must never reach the real one from a test
         del env["GOOGLE_APPLICATION_CREDENTIALS"]
-        env.update(HOME=str(tmp_path), GCE_METADATA_HOST="127.0.0.1:9", GCE_METADATA_IP="127.0.0.1:9")
+        env.update(
+            HOME=str(tmp_path), GCE_METADATA_HOST="127.0.0.1:9", GCE_METADATA_IP="127.0.0.1:9"
+        )
     elif problem == "not_a_key":
         (tmp_path / "key.json").write_text(json.dumps({"type": "service_account"}))
         env["GOOGLE_APPLICATION_CREDENTIALS"] = str(tmp_path / "key.json")
@@ -304,9 +322,11 @@ def test_a_worker_refuses_to_start_without_usable_credentials_or_tables(
         (400, "invalidQuery", PermanentError, "BigQuery invalidQuery"),
         (404, "notFound", PermanentError, "BigQuery notFound"),
         (403, "accessDenied", PermanentError, "BigQuery accessDenied"),
+        (400, "bytesBilledLimitExceeded", PermanentError, "ENRICHQ_MAX_BYTES_PER_QUERY"),
     ],
 )
 def test_bigquery_errors_are_mapped_as_documented(
+    *,
     db_engine: sa.Engine,
     warehouse: sa.Engine,
     layer: FaultLayer,
@@ -349,32 +369,43 @@ def test_a_quota_error_defers_the_work_to_the_reset_without_spending_an_attempt(
 # -- a hung BigQuery does not hold up a stop
 
 
+@pytest.mark.parametrize("how", ["sigterm", "out_of_work"])
 def test_worker_drain_stops_in_bounded_time_while_a_bigquery_call_hangs(
-    db_url: str, db_engine: sa.Engine, warehouse: sa.Engine, layer: FaultLayer, bq_env: dict[str, str], tmp_path: Path
+    *,
+    db_url: str,
+    db_engine: sa.Engine,
+    warehouse: sa.Engine,
+    layer: FaultLayer,
+    bq_env: dict[str, str],
+    tmp_path: Path,
+    how: str,
 ) -> None:
+    """A BigQuery that never answers a job's insert: a SIGTERM stops the worker within its
+    grace period, and a drain whose last attempt was abandoned ends once the work is out,
+    though the call still hangs (the client would retry it for up to 10 minutes)."""
     ticket, dataset = one_ticket(db_engine, warehouse)
-    layer.hang = r"/jobs(\?|$)"  # the query job's insert never gets an answer
+    layer.hang = r"/jobs(\?|$)"
     before = len(layer.requests)
     env = enrichq_env(
         db_url,
         warehouse_url=URL,
         customers_table=f"{dataset}.customers",
         orders_table=f"{dataset}.orders",
-        attempt_deadline_seconds=600,
+        attempt_deadline_seconds=600 if how == "sigterm" else 3,
         shutdown_grace_seconds=1,
     )
     env.update(bq_env)
     proc = spawn(["worker", "--drain"], env, log=tmp_path / "worker.log")
     try:
         wait_for(lambda: layer.jobs(before), timeout=120, what="the lookup's job insert")
-        proc.send_signal(signal.SIGTERM)
-        # the attempt had 10 minutes left, the client would retry for longer: the stop
-        # does not wait for either
-        code = proc.wait(timeout=60)
+        if how == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=90)
     finally:
         stop(proc)
     assert code == 0, (tmp_path / "worker.log").read_text()
-    # handed back for a later attempt (this one had started: it is spent)
-    assert q(db_engine, "SELECT state, attempts FROM enrichq.queue WHERE key = :k", k=ticket) == [
-        ("queued", 1)
-    ]
+    [(state, attempts)] = q(
+        db_engine, "SELECT state, attempts FROM enrichq.queue WHERE key = :k", k=ticket
+    )
+    # handed back for a later attempt (the sweeper dead-letters it: attempts spent)
+    assert (state, attempts) == ("queued", 1)

@@ -48,7 +48,9 @@ def trickle(engine: sa.Engine, keys: list[str], *, window: float, every: float) 
     settings = make_settings(None, lookup_window_seconds=window)
     for key in keys:
         with engine.begin() as conn:
-            queue.enqueue(conn, [EnqueueRequest.build(key=key, reason="updated")], settings=settings)
+            queue.enqueue(
+                conn, [EnqueueRequest.build(key=key, reason="updated")], settings=settings
+            )
         time.sleep(every)
 
 
@@ -92,12 +94,25 @@ def test_trickling_events_are_claimed_in_cohorts_by_two_workers(
     folder.mkdir()
     procs = workers(db_url, folder, tmp_path, window=window)
     try:
-        wait_for(lambda: len(list((tmp_path).glob("w*.log"))) == 2, timeout=10, what="logs")
-        time.sleep(2)  # both workers idle and listening before the first event
+        # both workers listening before the first event (a NOTIFY sent before is not heard,
+        # and the poll is 30 s)
+        wait_for(
+            lambda: (
+                q(
+                    db_engine,
+                    "SELECT count(*) FROM pg_stat_activity"
+                    " WHERE datname = current_database() AND query LIKE 'LISTEN %'",
+                )
+                == [(2,)]
+            ),
+            timeout=60,
+            what="two workers listening",
+        )
         trickle(db_engine, keys, window=window, every=0.1)
         wait_for(
-            lambda: q(db_engine, "SELECT count(*) FROM enrichq.queue WHERE state = 'done'")
-            == [(24,)],
+            lambda: (
+                q(db_engine, "SELECT count(*) FROM enrichq.queue WHERE state = 'done'") == [(24,)]
+            ),
             timeout=60,
             what="every ticket to be done",
         )
@@ -135,7 +150,8 @@ def test_manual_and_redriven_work_is_not_held_for_the_window(
     trickle(db_engine, ["E-1", "M-2"], window=3600, every=0)
     [(visible,)] = q(db_engine, "SELECT visible_at FROM enrichq.queue WHERE key = 'E-1'")
     assert isinstance(visible, datetime)
-    assert visible > before and visible.timestamp() % 3600 == 0
+    assert visible > before
+    assert visible.timestamp() % 3600 == 0
     # a dead letter to redrive
     execute(
         db_engine,
@@ -149,11 +165,13 @@ def test_manual_and_redriven_work_is_not_held_for_the_window(
         assert run_cli(["enqueue", "M-2"], env).returncode == 0  # merges, brought forward
         assert run_cli(["dlq", "redrive", "--key", "R-1"], env).returncode == 0
         wait_for(
-            lambda: q(
-                db_engine,
-                "SELECT key FROM enrichq.queue WHERE state = 'done' ORDER BY key",
-            )
-            == [("M-1",), ("M-2",), ("R-1",)],
+            lambda: (
+                q(
+                    db_engine,
+                    "SELECT key FROM enrichq.queue WHERE state = 'done' ORDER BY key",
+                )
+                == [("M-1",), ("M-2",), ("R-1",)]
+            ),
             timeout=60,
             what="the manual and redriven work to be done",
         )

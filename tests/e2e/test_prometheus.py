@@ -156,7 +156,7 @@ def test_a_live_prometheus_scrapes_every_process_and_sees_the_worker_go_down(
     keys = seeded(db_engine, 30)
     with db_engine.begin() as conn:
         # a pause of a tenant with no work: the pause gauges exist only while one is in place
-        pauses.pause(conn, pauses.Scope(None, "nobody-at-all"), actor="test")
+        pauses.pause(conn, pauses.PauseScope(None, "nobody-at-all"), actor="test")
     ports = {job: free_port() for job in JOBS}
     fast = {"lease_seconds": 3, "heartbeat_seconds": 0.5, "poll_seconds": 0.2}
     serve = spawn(

@@ -128,9 +128,9 @@ def test_ingest_stays_up_when_the_worker_inside_serve_stops(
         assert ready.status_code == 200
         assert "worker stopped on an error" in ready.json()["detail"]
         assert httpx.get(f"{base}/healthz").status_code == 200
-        assert 'enrichq_worker_errors_total{thread="serve"} 1.0' in httpx.get(
-            f"{base}/metrics"
-        ).text
+        assert (
+            'enrichq_worker_errors_total{thread="serve"} 1.0' in httpx.get(f"{base}/metrics").text
+        )
         assert serve.poll() is None
         second = post_event(base, SECRET, event("T-000002", tenant="acme"))
         assert second.status_code == 202, second.text

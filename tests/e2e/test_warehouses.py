@@ -43,6 +43,13 @@ SELECT upper(c.email) FROM warehouse.customers AS c
 JOIN warehouse.orders AS o ON o.customer_id = c.customer_id ORDER BY 1 LIMIT 1
 """
 
+GREEK_EMAIL = "ΣΑΣ@example.gr"
+GREEK = """
+INSERT INTO warehouse.customers (customer_id, email) VALUES ('C-greek', 'ΣΑΣ@example.gr');
+INSERT INTO warehouse.orders (order_id, customer_id, placed_at, total)
+VALUES ('O-greek', 'C-greek', '2026-12-01T10:00:00Z', 12.50);
+"""
+
 EXPECTED_ORDERS = """
 SELECT t.id, o.order_id, o.customer_id, o.placed_at, o.total
 FROM helpdesk.tickets AS t
@@ -60,6 +67,11 @@ def odd_world(engine: sa.Engine, tickets: int = 80) -> list[str]:
         seed.seed_world(conn, tickets=tickets)
         add_tickets(conn, ["T-no-email"], email=None)
         add_tickets(conn, ["T-shouting"], email=conn.execute(sa.text(SHOUTING)).scalar_one())
+        # an e-mail whose lower case Python and SQL disagree on (a final capital sigma:
+        # Python's lower() makes it a final small sigma, SQL's a small sigma): a customer
+        # with an order, and their ticket
+        conn.execute(sa.text(GREEK))
+        add_tickets(conn, ["T-greek"], email=GREEK_EMAIL)
         keys = ticket_ids(conn)
         enqueue(conn, keys)
     return keys
@@ -155,6 +167,7 @@ def test_batch_and_single_lookups_agree_on_both_engines(
         assert got == want, key
     assert results[("postgresql", "batch")]["T-no-email"] == []
     assert results[("duckdb", "single")]["T-shouting"] == want["T-shouting"] != []
+    assert [o[0] for o in want["T-greek"]] == ["O-greek"]  # found, by SQL's lower() alone
 
 
 # -- through a worker: every form on every engine writes the same orders
@@ -350,3 +363,72 @@ def test_a_duckdb_file_named_like_its_schema_is_read_by_catalog_qualified_names(
     finally:
         engine.dispose()
     assert found == expected(db_engine, [t.id for t in tickets])
+
+
+# -- a value the warehouse cannot read fails the whole query: the batch is split until the
+# tickets whose rows fail are alone, and the others complete (issue 30 item 5)
+
+TEXT_ORDERS = [
+    # totals as text, and a view that reads them as numbers: a total that is not one makes
+    # every query through the view fail, naming no ticket
+    "CREATE TABLE warehouse.orders_text AS SELECT order_id, customer_id, placed_at,"
+    " CAST(total AS VARCHAR(40)) AS total FROM warehouse.orders",
+    "INSERT INTO warehouse.orders_text VALUES ('O-bad', :customer, NULL, 'twelve')",
+    "CREATE VIEW warehouse.orders_typed AS SELECT order_id, customer_id, placed_at,"
+    " CAST(total AS DECIMAL(18, 2)) AS total FROM warehouse.orders_text",
+]
+
+
+def bad_total_customer(db_engine: sa.Engine) -> tuple[str, list[str]]:
+    """A customer some tickets ask about (more than one, where there is one), and those tickets."""
+    customer, tickets = q(
+        db_engine,
+        "SELECT c.customer_id, array_agg(t.id ORDER BY t.id) FROM helpdesk.tickets AS t"
+        " JOIN warehouse.customers AS c ON lower(c.email) = lower(t.requester_email)"
+        " GROUP BY 1 ORDER BY count(*) DESC, 1 LIMIT 1",
+    )[0]
+    return customer, list(tickets)
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
+def test_a_value_the_warehouse_cannot_read_fails_only_its_tickets(
+    db_url: str, db_engine: sa.Engine, warehouses: dict[str, str], engine_name: str
+) -> None:
+    customer, failing = bad_total_customer(db_engine)
+    warehouse = create_warehouse_engine(warehouses[engine_name], pool_size=2)
+    try:
+        with warehouse.begin() as conn:
+            for statement in TEXT_ORDERS:
+                conn.execute(sa.text(statement), {"customer": customer})
+        with warehouse.connect() as conn, pytest.raises(sa.exc.DataError):
+            conn.execute(sa.text("SELECT sum(total) FROM warehouse.orders_typed")).all()
+        settings = make_settings(
+            db_url,
+            warehouse_url=warehouses[engine_name],
+            orders_table="warehouse.orders_typed",
+            concurrency=1,
+            lookup_batch_size=50,
+        )
+        result = Worker(settings, db_engine, warehouse=warehouse).run(drain=True)
+    finally:
+        warehouse.dispose()
+    assert result.stop_reason == "no_work"
+    states = {
+        k: (s, e) for k, s, e in q(db_engine, "SELECT key, state, last_error FROM enrichq.queue")
+    }
+    for ticket in failing:
+        state, error = states[ticket]
+        assert state == "failed", (ticket, error)
+        assert "the warehouse could not read the orders" in error
+    good = sorted(set(states) - set(failing))
+    assert len(good) > 50  # innocent tickets shared batches with the culprits
+    assert {states[k][0] for k in good} == {"done"}
+    got: dict[str, list[tuple[Any, ...]]] = {k: [] for k in good}
+    for r in q(
+        db_engine,
+        "SELECT ticket_id, order_id, customer_id, placed_at, total FROM enrichq.ticket_orders",
+    ):
+        got[r[0]].append(r[1:])
+    assert {k: normalized(v) for k, v in got.items()} == expected(db_engine, good)
+    # one attempt each: found in the same attempt, not by retrying
+    assert q(db_engine, "SELECT DISTINCT attempts FROM enrichq.queue") == [(1,)]

@@ -384,7 +384,7 @@ def test_two_workers_overspend_by_at_most_one_batch_query_each(
     """Batch lookups: budget 50,000 bytes, 2 workers of concurrency 4, batches of 10 tickets,
     10,000 bytes a query (1,000 a ticket). The admission must reserve what a query costs,
     not what a lookup-log row (a ticket) does, or it lets 10 times too many queries run:
-    the bound is 50,000 + 2 × 10,000."""
+    the bound is 50,000 + 2 x 10,000."""
     seeded(db_engine, 400)
     env = enrichq_env(
         db_url,
@@ -409,7 +409,7 @@ def test_two_workers_overspend_by_at_most_one_lookup_each_when_costs_rise(
 ) -> None:
     """Yesterday a lookup cost 20,000 bytes on average; today each costs 40,000. Budget
     100,000, 2 workers of concurrency 4: reserving yesterday's average lets 8 lookups
-    run at once at twice what they reserved; the bound is 100,000 + 2 × 40,000."""
+    run at once at twice what they reserved; the bound is 100,000 + 2 x 40,000."""
     seeded(db_engine, 40)
     execute(
         db_engine,

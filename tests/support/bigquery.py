@@ -394,19 +394,27 @@ class FaultLayer:
                     self.billed[job_id] = billed
         elif doc.get("kind") == "bigquery#getQueryResultsResponse":
             if running:
-                return {"kind": doc["kind"], "jobReference": doc.get("jobReference"),
-                        "jobComplete": False}
+                return {
+                    "kind": doc["kind"],
+                    "jobReference": doc.get("jobReference"),
+                    "jobComplete": False,
+                }
             if slow is not None and slow.cancelled:
-                return {"error": {"code": 400, "message": "Job execution was cancelled",
-                                  "errors": [{"reason": "stopped",
-                                              "message": "Job execution was cancelled"}]}}
+                return {
+                    "error": {
+                        "code": 400,
+                        "message": "Job execution was cancelled",
+                        "errors": [{"reason": "stopped", "message": "Job execution was cancelled"}],
+                    }
+                }
             doc["totalBytesProcessed"] = str(billed)
         return doc
 
     @staticmethod
     def _reply(h: BaseHTTPRequestHandler, status: int, doc: Any) -> None:
-        FaultLayer._reply_raw(h, status, [("content-type", "application/json")],
-                              json.dumps(doc).encode())
+        FaultLayer._reply_raw(
+            h, status, [("content-type", "application/json")], json.dumps(doc).encode()
+        )
 
     @staticmethod
     def _reply_raw(

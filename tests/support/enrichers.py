@@ -445,3 +445,14 @@ def priced(ticket: Ticket, context: EnrichContext) -> Enrichment:
     time.sleep(float(os.environ.get("ENRICHQ_TEST_SLOW_SECONDS", "0.5")))
     billed = int(os.environ.get("ENRICHQ_TEST_QUERY_BYTES", "10000"))
     return Enrichment((Order(f"O-{ticket.id}"),), job_id=f"job-{ticket.id}", bytes_billed=billed)
+
+
+def unasked_keys(tickets: Sequence[Ticket], context: EnrichContext) -> Mapping[str, Enrichment]:
+    """A buggy batch enricher: it answers under ids it was not asked for (each ticket's id
+    with a suffix), 3,000 bytes billed each."""
+    return {
+        f"{t.id}-unasked": Enrichment(
+            (Order(f"O-{t.id}"),), job_id="unasked-job", bytes_billed=3000
+        )
+        for t in tickets
+    }

@@ -210,7 +210,7 @@ def test_log_lines_escape_control_characters_in_their_arguments() -> None:
         ({"ENRICHQ_DATABASE_URL": "sqlite:///x.db"}, "PostgreSQL"),
         ({"ENRICHQ_DATABASE_URL": "sqlite:"}, "ENRICHQ_DATABASE_URL"),
         ({"ENRICHQ_DATABASE_URL": "postgres://u@127.0.0.1/db"}, "postgresql://"),
-        ({"ENRICHQ_WAREHOUSE_URL": "bigquery://project/dataset"}, "ENRICHQ_WAREHOUSE_URL"),
+        ({"ENRICHQ_WAREHOUSE_URL": "snowflake://account/db"}, "ENRICHQ_WAREHOUSE_URL"),
         ({"ENRICHQ_WAREHOUSE_URL": "mysql://u@127.0.0.1/db"}, "ENRICHQ_WAREHOUSE_URL"),
         ({"ENRICHQ_PARITY_DATABASE_URL": "postgresql://u@h/db?sslmod=require"}, "'sslmod'"),
     ],

@@ -14,7 +14,7 @@ from enrichq_parity.cutover import (
     Bars,
     CutoverRefused,
     GateRun,
-    Mode,
+    ViewMode,
     ViewState,
     gate,
     plan,
@@ -208,24 +208,27 @@ def test_the_gate_names_all_three_when_all_three_are_missing() -> None:
 
 
 def test_the_steps_are_a_pure_plan() -> None:
-    legacy = ViewState(Mode.LEGACY)
+    legacy = ViewState(ViewMode.LEGACY)
     staged = plan(legacy, Action.CUTOVER, ["acme", "globex"])
     assert staged is not None
     assert (staged.target, staged.moved) == (
-        ViewState(Mode.STAGED, frozenset({"acme", "globex"})), ("acme", "globex"),
+        ViewState(ViewMode.STAGED, frozenset({"acme", "globex"})), ("acme", "globex"),
     )  # fmt: skip
     assert plan(staged.target, Action.CUTOVER, ["acme"]) is None
     back = plan(staged.target, Action.ROLLBACK, ["acme", "initech"])
     assert back is not None
-    assert (back.target, back.moved) == (ViewState(Mode.STAGED, frozenset({"globex"})), ("acme",))
-    last = plan(ViewState(Mode.STAGED, frozenset({"globex"})), Action.ROLLBACK, ["globex"])
+    assert (back.target, back.moved) == (
+        ViewState(ViewMode.STAGED, frozenset({"globex"})),
+        ("acme",),
+    )
+    last = plan(ViewState(ViewMode.STAGED, frozenset({"globex"})), Action.ROLLBACK, ["globex"])
     assert last is not None
     assert last.target == legacy
     whole = plan(staged.target, Action.CUTOVER, None)
     assert whole is not None
-    assert (whole.target, whole.moved) == (ViewState(Mode.SHADOW), None)
-    assert plan(ViewState(Mode.SHADOW), Action.CUTOVER, ["acme"]) is None
+    assert (whole.target, whole.moved) == (ViewState(ViewMode.SHADOW), None)
+    assert plan(ViewState(ViewMode.SHADOW), Action.CUTOVER, ["acme"]) is None
     assert plan(legacy, Action.ROLLBACK, None) is None
     assert plan(legacy, Action.ROLLBACK, ["acme"]) is None
     with pytest.raises(CutoverRefused, match="a whole cutover"):
-        plan(ViewState(Mode.SHADOW), Action.ROLLBACK, ["acme"])
+        plan(ViewState(ViewMode.SHADOW), Action.ROLLBACK, ["acme"])

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from enrichq_service.controls.errors import PauseError
-from enrichq_service.controls.pauses import Scope
+from enrichq_service.controls.pauses import PauseScope
 
 
 @pytest.mark.parametrize(
@@ -21,4 +21,4 @@ from enrichq_service.controls.pauses import Scope
 )
 def test_bad_scopes_are_refused(kind: str | None, tenant: str | None, message: str) -> None:
     with pytest.raises(PauseError, match=re.escape(message)):
-        Scope.build(kind=kind, tenant=tenant)
+        PauseScope.build(kind=kind, tenant=tenant)

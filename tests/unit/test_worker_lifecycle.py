@@ -19,9 +19,9 @@ from enrichq_service.queue import Job
 from enrichq_service.worker.lifecycle import (
     IGNORED,
     MOVES,
-    Event,
     Held,
     IllegalTransition,
+    JobEvent,
     Jobs,
     Phase,
     transition,
@@ -38,8 +38,8 @@ def held(n: int, deadline: float = float("inf")) -> Held:
 # -- the transition function, exhaustively
 
 
-@pytest.mark.parametrize(("phase", "event"), list(itertools.product(Phase, Event)))
-def test_every_pair_moves_is_ignored_or_is_illegal(phase: Phase, event: Event) -> None:
+@pytest.mark.parametrize(("phase", "event"), list(itertools.product(Phase, JobEvent)))
+def test_every_pair_moves_is_ignored_or_is_illegal(phase: Phase, event: JobEvent) -> None:
     assert not ((phase, event) in MOVES and (phase, event) in IGNORED)
     if (phase, event) in MOVES:
         assert transition(phase, event) is MOVES[(phase, event)]
@@ -51,7 +51,7 @@ def test_every_pair_moves_is_ignored_or_is_illegal(phase: Phase, event: Event) -
 
 
 def test_the_terminal_phases_never_move_again() -> None:
-    for phase, event in itertools.product((Phase.SETTLED, Phase.LOST), Event):
+    for phase, event in itertools.product((Phase.SETTLED, Phase.LOST), JobEvent):
         if (phase, event) in IGNORED:
             assert transition(phase, event) is phase
         else:
@@ -60,15 +60,15 @@ def test_the_terminal_phases_never_move_again() -> None:
 
 
 def test_only_a_claimed_job_starts() -> None:
-    starts = {p for p in Phase if MOVES.get((p, Event.START)) is Phase.STARTED}
+    starts = {p for p in Phase if MOVES.get((p, JobEvent.START)) is Phase.STARTED}
     assert starts == {Phase.CLAIMED}
     for phase in (Phase.LOST, Phase.ABANDONED, Phase.SETTLING):
-        assert transition(phase, Event.START) is phase  # a job let go never starts
+        assert transition(phase, JobEvent.START) is phase  # a job let go never starts
 
 
 def test_a_job_handed_to_the_settler_is_never_lost() -> None:
     for phase in (Phase.SETTLING, Phase.SETTLED):
-        assert transition(phase, Event.LOSE) is phase
+        assert transition(phase, JobEvent.LOSE) is phase
 
 
 # -- the registry

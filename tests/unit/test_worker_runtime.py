@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from enrichq_schema import metrics
-from enrichq_service.worker.runtime import Summary, Tally
+from enrichq_service.worker.runtime import RunCounts, Summary
 
 
 def test_a_summary_counts_what_happened_since_the_last_one() -> None:
-    tally = Tally()
+    tally = RunCounts()
     tally.add("claimed", 3)
     summary = Summary(tally, every=0.0)
     assert summary.due()

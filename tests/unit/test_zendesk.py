@@ -82,7 +82,7 @@ def test_the_tenant_field() -> None:
 
 
 def test_a_non_ticket_event_is_ignored() -> None:
-    assert parse(user_event()) == zendesk.Ignored("zen:event-type:user.active_changed")
+    assert parse(user_event()) == zendesk.NotATicketEvent("zen:event-type:user.active_changed")
 
 
 def test_a_trigger_body_uses_the_invocation_id_and_the_signature_time() -> None:

@@ -45,7 +45,7 @@ def run(
     from enrichq_sweeper.errors import BackfillInputError
 
     settings = ctx.settings
-    scope = backfill.Scope(tenant, since)
+    scope = backfill.BackfillScope(tenant, since)
     with ctx.opened("enrichq-backfill") as engine:
         try:
             total = backfill.count(engine, settings, scope)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from enrichq_schema.process import Exit
+from enrichq_service.errors import ServiceError
 
 if TYPE_CHECKING:
     import sqlalchemy as sa
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-class CommandError(Exception):
+class CommandError(ServiceError):
     """A command refused or failed: its one line for the operator, and its exit code."""
 
     def __init__(self, message: str, code: int = Exit.USAGE) -> None:
@@ -98,12 +99,12 @@ class Context:
     ) -> Iterator[sa.Engine]:
         """The one engine of a command (one connection), disposed of at the end; queries
         bounded by ENRICHQ_STATEMENT_TIMEOUT_SECONDS unless `statement_timeout` is False."""
-        from enrichq_schema.connections import create_engine
+        from enrichq_schema.connections import engine_from_settings
 
         settings = self.settings
         timeout = {"statement_timeout_seconds": settings.statement_timeout_seconds}
         with self.database() as url:
-            engine = create_engine(
+            engine = engine_from_settings(
                 settings,
                 url,
                 application_name=application_name,

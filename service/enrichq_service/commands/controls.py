@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from enrichq_service.controls.actions import ActionResult, ActionStopped
     from enrichq_service.controls.dlq import DeadLetter
     from enrichq_service.controls.filters import Filter
-    from enrichq_service.controls.pauses import Pause, Scope
+    from enrichq_service.controls.pauses import Pause, PauseScope
 
 ERROR_COLUMN_WIDTH = 60
 """How much of a dead letter's last error `dlq list` shows."""
@@ -329,14 +329,14 @@ def _superseder(row: DeadLetter) -> str:
 # -- pause, resume
 
 
-def pause_scope(command: str, kind: str | None, tenant: str | None) -> Scope:
+def pause_scope(command: str, kind: str | None, tenant: str | None) -> PauseScope:
     """The scope of `--kind` and `--tenant`, checked."""
     from enrichq_service.controls.errors import PauseError
-    from enrichq_service.controls.pauses import Scope
+    from enrichq_service.controls.pauses import PauseScope
 
     options.unpadded(command, "--tenant", tenant)
     try:
-        return Scope.build(kind=kind, tenant=tenant)
+        return PauseScope.build(kind=kind, tenant=tenant)
     except PauseError as exc:
         refuse(f"{command}: {exc}; nothing changed")
 
@@ -357,7 +357,7 @@ def pause(
     """`enrichq pause`: pause, print what is paused now; the exit code."""
     from enrichq_service.controls import pauses
     from enrichq_service.controls.errors import PauseError
-    from enrichq_service.controls.pauses import Scope, check_reason
+    from enrichq_service.controls.pauses import PauseScope, check_reason
 
     paused = pause_scope("pause", kind, tenant)
     who = options.actor("pause", actor)
@@ -367,7 +367,7 @@ def pause(
         refuse(f"pause: {exc}; nothing changed")
     with ctx.opened("enrichq-pause", statement_timeout=False) as engine, engine.begin() as conn:
         done, created = pauses.pause(conn, paused, actor=who, reason=reason)
-        known = paused == Scope() or pauses.seen(conn, paused)
+        known = paused == PauseScope() or pauses.seen(conn, paused)
     if not known:
         say(
             f"pause: warning: no work of {paused.describe()} has ever been seen (no plan, no "

@@ -127,9 +127,9 @@ def run(
 def failure(command: str, exc: EnrichqError) -> NoReturn:
     """Refuse `command` in one line saying why it changed nothing: exit 1 when the review
     refused it (a gate), 2 for bad input."""
-    from enrichq_parity.review import Refused
+    from enrichq_parity.review import ParityRefused
 
-    if isinstance(exc, Refused):
+    if isinstance(exc, ParityRefused):
         refuse(f"{command} refused: {exc}", Exit.FAILED)
     refuse(f"{command}: {exc}")
 

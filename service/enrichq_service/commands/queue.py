@@ -99,7 +99,7 @@ def render_status(report: StatusReport, out: TextIO) -> None:
     from rich.table import Table
 
     from enrichq_schema.text import printable
-    from enrichq_service.controls.pauses import Scope
+    from enrichq_service.controls.pauses import PauseScope
 
     console = render.console(out)
     states = [s.value for s in State]
@@ -123,7 +123,7 @@ def render_status(report: StatusReport, out: TextIO) -> None:
         f"leases: {report.live_leases} live, {report.expired_leases} expired (awaiting sweep)"
     )
     for p in report.pauses:
-        scope = Scope(p["kind"], p["tenant"]).describe()  # type: ignore[arg-type]  # JSON of a Scope
+        scope = PauseScope(p["kind"], p["tenant"]).describe()  # type: ignore[arg-type]  # JSON of a PauseScope
         why = f": {printable(p['reason'])}" if p["reason"] else ""
         console.print(
             f"[bold]PAUSED[/] {escape(scope)} since {p['paused_at']} by"

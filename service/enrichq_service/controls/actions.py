@@ -1,30 +1,5 @@
-"""Operator controls: cancel, dlq discard and dlq redrive by one filter (DESIGN §3).
-
-An action reads the ids its `Filter` matches once, in pages of short statements inside one
-read-only snapshot (so no statement grows with the number of matches, and the statement
-timeout bounds each page, not the whole selection), then works them in batches of
-`batch_size`, each in a transaction of its own, so a large action never holds thousands of
-row locks for long nor keeps one transaction open for minutes. Each batch checks its rows
-against the filter again under the lock: a row that changed since (a worker settled it,
-someone else redrove it) is acted on only if it still matches. Rows that start to match
-after the action began are not included: run it again (or pause first) to catch work that
-keeps arriving. Work that arrives for a selected row survives too: a cancel keeps a queued
-row that an event merged into after the action began.
-
-The action is recorded in the audit log: its row is opened before the first batch and each
-batch adds its rows in its own transaction, so the audit row always says what was
-committed; an interrupted action keeps no finish time. A dry run reads the same selection
-and says what the action would do to it (for a redrive: how many would be queued again and
-how many merged), with a sample, and records and changes nothing.
-
-- cancel: queued and leased rows → dead_letter (dead reason `cancelled`). A cancelled
-  leased row leaves `leased`, so its worker's heartbeat reports it lost and its settle is
-  refused: its result is never written.
-- dlq discard: dead letters are deleted.
-- dlq redrive: dead letters → queued with fresh attempts; per ticket (kind, key) the newest
-  matching dead letter is redriven and the others stay dead, merged into it, or into the
-  ticket's queued row when it has one (like enqueue).
-"""
+"""Operator controls: cancel, dlq discard and dlq redrive of the rows one filter matches,
+read once, then worked in batches of their own transactions, audited."""
 
 from __future__ import annotations
 

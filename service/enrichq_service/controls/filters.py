@@ -1,24 +1,6 @@
-"""One filter language for `enrichq cancel`, `enrichq dlq discard` and `enrichq dlq redrive`.
-
-A `Filter` is parsed once from the command's options, validated, and rendered to the bound
-parameters of the named statements in ``sql/controls.sql``; the same object is what the
-audit log records and what the command prints back.
-
-Criteria combine with AND; repeated ``--id`` and ``--key`` values combine with OR. ``--all``
-stands alone. A filter always belongs to one scope, which fixes what two criteria read:
-
-- scope ``open`` (``cancel``: queued and leased rows): ``--reason`` is why the row was
-  enqueued (created, updated, refresh, redrive, manual); ``--older-than D`` means enqueued
-  (``created_at``) more than D ago;
-- scope ``dead`` (the ``dlq`` verbs: dead letters): ``--reason`` is why it died
-  (attempts_exhausted, superseded, cancelled); ``--older-than D`` means dead-lettered
-  (``finished_at``) more than D ago.
-
-``--reason`` is one flag with a meaning per scope, not two flags, because each scope's
-rows carry one reason an operator acts on: a queued row has not died, and a dead letter is
-redriven or discarded for why it died (what ``dlq list`` and ``dlq redrive --reason``
-always meant). A reason of the other scope is refused by name, never silently matched.
-"""
+"""One filter language for `enrichq cancel`, `enrichq dlq discard` and `enrichq dlq
+redrive`: parsed and checked once, bound into ``sql/controls.sql``, recorded in the audit
+log."""
 
 from __future__ import annotations
 

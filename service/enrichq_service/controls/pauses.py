@@ -1,15 +1,5 @@
-"""Pause and resume: claims stopped by an operator, per kind and tenant (DESIGN §3).
-
-A pause is a row of `enrichq.pauses` with a scope: a kind, a tenant, both, or neither
-(NULL matches every kind or every tenant). Every claim skips the (kind, tenant) pairs a
-pause covers before reading any of their rows, so running workers obey a pause at their
-next claim (within one poll interval) without a restart, and a paused backlog costs the
-claim nothing. Ingest goes on: events still enqueue and merge. Leases already held finish
-normally. Resume deletes the pause of exactly the scope given (`--all`: every pause) and
-wakes the workers.
-
-Pausing and resuming are recorded in the audit log in the same transaction.
-"""
+"""Pause and resume: claims stopped by an operator, per kind and tenant, obeyed by running
+workers at their next claim, and recorded in the audit log."""
 
 from __future__ import annotations
 
@@ -30,14 +20,14 @@ REASON_MAX_LENGTH = 500
 
 
 @dataclass(frozen=True, slots=True)
-class Scope:
+class PauseScope:
     """What a pause covers: a kind and a tenant, None for every one."""
 
     kind: str | None = None
     tenant: str | None = None
 
     @classmethod
-    def build(cls, *, kind: str | None, tenant: str | None) -> Scope:
+    def build(cls, *, kind: str | None, tenant: str | None) -> PauseScope:
         """A validated scope; PauseError naming the option otherwise."""
         if kind is not None and kind not in {k.value for k in Kind}:
             known = ", ".join(k.value for k in Kind)
@@ -59,7 +49,7 @@ class Scope:
 class Pause:
     """A pause in place."""
 
-    scope: Scope
+    scope: PauseScope
     reason: str | None
     paused_by: str
     paused_at: datetime
@@ -68,7 +58,7 @@ class Pause:
     @classmethod
     def of(cls, row: sa.Row[Any]) -> Pause:
         return cls(
-            Scope(row.kind, row.tenant),
+            PauseScope(row.kind, row.tenant),
             row.reason,
             row.paused_by,
             row.paused_at,
@@ -94,7 +84,7 @@ def check_reason(reason: str | None) -> str | None:
 
 def pause(
     conn: sa.Connection,
-    scope: Scope,
+    scope: PauseScope,
     *,
     actor: str,
     reason: str | None = None,
@@ -128,7 +118,7 @@ def pause(
 
 def resume(
     conn: sa.Connection,
-    scope: Scope | None,
+    scope: PauseScope | None,
     *,
     actor: str,
     now: datetime | None = None,
@@ -162,7 +152,7 @@ def resume(
     return resumed
 
 
-def seen(conn: sa.Connection, scope: Scope) -> bool:
+def seen(conn: sa.Connection, scope: PauseScope) -> bool:
     """Whether work of `scope` was ever seen (a tenant with a plan, claims counted for it,
     open rows): a pause of a scope never seen may stop nothing at all (a misspelt tenant)."""
     kinds = [scope.kind] if scope.kind is not None else [k.value for k in Kind]

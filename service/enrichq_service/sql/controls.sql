@@ -1,29 +1,8 @@
--- Operator controls over the queue (DESIGN §3): cancel (queued/leased → dead_letter,
--- reason `cancelled`), dlq discard (dead letters deleted) and dlq redrive (dead letters →
--- queued), all chosen by one filter (enrichq_service.controls.filters). Every statement takes :now
--- (NULL = the database clock).
---
--- An action reads the ids its filter matches once, page by page in one snapshot
--- (controls_page_*: each page a short statement walking a partial index from a cursor, so
--- no statement grows with the number of matches), then works them in batches of its own
--- transactions (controls_*_batch). Each batch checks its rows against the scope and the
--- filter again under the lock, so a row that changed in the meantime (settled, claimed,
--- redriven by someone else) is acted on only if it still matches.
---
--- Lock order: every multi-row writer of enrichq.queue locks its rows in the order
--- (key, kind, id), keys and kinds compared byte by byte (COLLATE "C": the same on every
--- server, whatever the database's collation), so writers wait for each other but never
--- deadlock. The batches lock with ORDER BY ... FOR UPDATE before they write anything.
---
--- The filter is written once per scope, as a fragment the loader splices into every
--- statement of that scope (enrichq_schema.queries): open_filter reads reason and
--- created_at, dead_filter dead_reason and finished_at, and both start with the criteria
--- that read the same columns in either scope (keys_tenant_kind). The `--id` criterion is
--- not in them: the selects apply it, the batches leave it out, since a row's id never
--- changes, the batch's ids come from the selection that applied it, and a second
--- `id = ANY` next to :batch_ids made the planner scan the table sequentially. A criterion
--- that is NULL is folded away when the statement is planned with its parameters, so only
--- the criteria given reach the plan.
+-- Operator controls over the queue: cancel (queued/leased → dead_letter, reason
+-- `cancelled`), dlq discard (deleted) and dlq redrive (→ queued), chosen by one filter
+-- (enrichq_service.controls.filters): ids read page by page in one snapshot, then worked
+-- in batches that lock in the global order and check the filter again; and the dead-letter
+-- listing. Every statement takes :now (NULL = the database clock).
 
 
 -- fragment: keys_tenant_kind
@@ -52,6 +31,17 @@ AND (CAST(:older_than_seconds AS float8) IS NULL
                         - make_interval(secs => CAST(:older_than_seconds AS float8)))
 
 
+-- fragment: page_ids_and_cursor
+-- The one row a page of open rows returns (from its `page` CTE, numbered n in its index's
+-- order): their ids in that order, how many, and the last one's (kind, key), the cursor.
+last AS (
+    SELECT p.kind, p.key FROM page AS p ORDER BY p.n DESC LIMIT 1
+)
+SELECT coalesce((SELECT array_agg(p.id ORDER BY p.n) FROM page AS p), '{}') AS ids,
+       (SELECT count(*) FROM page) AS n,
+       (SELECT kind FROM last) AS last_kind, (SELECT key FROM last) AS last_key
+
+
 -- name: controls_page_queued
 -- The next :page_size queued rows matching the filter after the cursor (:after_kind,
 -- :after_key; NULL: from the start), in the order of the queued-key index, which the page
@@ -69,12 +59,7 @@ WITH page AS (
     ORDER BY q.kind, q.key
     LIMIT :page_size
 ),
-last AS (
-    SELECT p.kind, p.key FROM page AS p ORDER BY p.n DESC LIMIT 1
-)
-SELECT coalesce((SELECT array_agg(p.id ORDER BY p.n) FROM page AS p), '{}') AS ids,
-       (SELECT count(*) FROM page) AS n,
-       (SELECT kind FROM last) AS last_kind, (SELECT key FROM last) AS last_key;
+{{page_ids_and_cursor}}
 
 
 -- name: controls_page_leased
@@ -91,12 +76,7 @@ WITH page AS (
     ORDER BY q.key
     LIMIT :page_size
 ),
-last AS (
-    SELECT p.kind, p.key FROM page AS p ORDER BY p.n DESC LIMIT 1
-)
-SELECT coalesce((SELECT array_agg(p.id ORDER BY p.n) FROM page AS p), '{}') AS ids,
-       (SELECT count(*) FROM page) AS n,
-       (SELECT kind FROM last) AS last_kind, (SELECT key FROM last) AS last_key;
+{{page_ids_and_cursor}}
 
 
 -- name: controls_page_dead

@@ -13,14 +13,18 @@ WHERE id = ANY(CAST(:ids AS text[]));
 
 
 -- name: enrich_warehouse_orders_batch
--- The orders of the customers with these e-mails (:emails, expanded by SQLAlchemy into one
--- bound value each, lower case), each with the e-mail it was found by, newest first: one
--- warehouse query for a whole batch of tickets, the same text on every dialect.
-SELECT lower(c.email) AS email, o.order_id, o.customer_id, o.placed_at, o.total
-FROM {customers} AS c
+-- The orders of the customers with the requesters' e-mails, each with the e-mail it was
+-- asked for as given, newest first: one warehouse query for a whole batch of tickets, the
+-- same text on every dialect. {asked} is one `SELECT :asked_N AS asked` per e-mail joined
+-- by UNION ALL (the caller renders the placeholders; the values are bound). Case is folded
+-- once, by the warehouse's lower() on both sides, as parity compares e-mails: never by
+-- Python on one side and SQL on the other (Python's lower() of `ΣΑΣ` is `σας`, SQL's
+-- `σασ`).
+SELECT a.asked AS email, o.order_id, o.customer_id, o.placed_at, o.total
+FROM ({asked}) AS a
+JOIN {customers} AS c ON lower(c.email) = lower(a.asked)
 JOIN {orders} AS o ON o.customer_id = c.customer_id
-WHERE lower(c.email) IN :emails
-ORDER BY lower(c.email), o.placed_at DESC, o.order_id;
+ORDER BY a.asked, o.placed_at DESC, o.order_id;
 
 
 -- name: enrich_statement_timeout

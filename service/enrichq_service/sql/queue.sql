@@ -1,16 +1,7 @@
--- Queue transitions of DESIGN §3. Every statement takes :now (NULL = the database clock).
---
--- The fence: every write after a claim matches the row's id, its lease owner, the claim
--- token that claim made (new at every claim of the row's whole life), state = 'leased' and
--- a live lease, and returns only the rows that won.
---
--- The lock order: every statement that locks several queue rows locks them in one global
--- order, (key, kind, id) in byte order (COLLATE "C"), and a statement that puts rows in the
--- queue does so in that order too, so writers wait for each other but never deadlock. The
--- claim never waits at all: it skips locked rows (SKIP LOCKED) and keys another claim is
--- taking (a try-lock per key). The fence is checked under the lock, on the newest version
--- of each row (READ COMMITTED re-checks a row that changed while its lock was awaited); no
--- one else can change a locked row, so the UPDATE that follows joins on the id alone.
+-- Queue transitions. Every statement takes :now (NULL = the database clock). Every write
+-- after a claim is fenced (id, lease owner, claim token, a live lease) and returns the rows
+-- that won; rows are locked in one global order, (key, kind, id) COLLATE "C", so writers
+-- never deadlock (docs/architecture.md: fencing, lock order).
 
 
 -- name: queue_enqueue

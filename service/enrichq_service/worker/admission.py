@@ -1,33 +1,6 @@
-"""Fleet-wide admission of warehouse lookups: the daily bytes budget and the warehouse cap.
-
-Before a lookup runs, it is admitted by one statement (`enrichq.admission_take`, run outside
-a transaction) that serializes with every other admission of the fleet (an advisory lock
-it takes and lets go on the server: a frozen worker never holds it while the others wait)
-and inserts a row into `enrichq.lookups_in_flight`: the lookup's slot under
-`ENRICHQ_WAREHOUSE_MAX_CONCURRENCY`, and the bytes it is expected to cost reserved against
-`ENRICHQ_DAILY_BYTES_BUDGET`. The admission is refused when every slot is taken, or when
-the bytes billed today plus the bytes reserved by the lookups in flight reach the budget.
-The settle that charges the lookup's real bytes releases the row in the same transaction;
-this worker's heartbeat extends its rows for as long as they are there (also while a
-lookup whose attempt was abandoned still runs); a worker that dies leaves its rows behind
-only until they expire, one lease after its last heartbeat.
-
-The expected cost of a lookup is per warehouse *query* (a batch is one query, however many
-tickets share its bytes): today's worst, the costliest query the ledger charged today or a
-lookup in flight learned (migration 0018), so a rise is reserved at once, also for the
-lookups still running that were admitted at less. Before any cost of today is known, a
-lookup reserves the latest earlier day's average per query, and counts as one of unknown
-cost: a worker admits one such lookup at a time until its first one has returned. Every
-lookup that returns records its real cost, held until its settle charges it. So the fleet
-overspends its budget by at most one lookup per worker.
-
-The database being unavailable during an admission (a connection terminated, a statement
-timed out) is waited out with backoff, as the claim loop does: the jobs still have not
-started, and are deferred, their attempt given back, if their deadline passes meanwhile.
-
-With neither a budget nor a cap, nothing is admitted and nothing is written: a lookup
-just runs.
-"""
+"""Fleet-wide admission of warehouse lookups: a lookup runs only once one statement has
+given it a slot under the warehouse cap and reserved its expected bytes against the daily
+budget."""
 
 from __future__ import annotations
 
@@ -46,7 +19,7 @@ import sqlalchemy.exc as sa_exc
 from enrichq_schema import metrics
 from enrichq_schema.settings import Settings
 from enrichq_service.enrich import SQL, error_text
-from enrichq_service.errors import Deferral
+from enrichq_service.errors import Deferral, ServiceError
 from enrichq_service.worker.db import Backoff, is_unavailable
 
 log = logging.getLogger(__name__)
@@ -65,7 +38,7 @@ WAIT_REFUSALS = {
 }
 
 
-class Refused(Deferral):
+class AdmissionRefused(Deferral):
     """The lookup was not admitted: the jobs are deferred, their attempts given back."""
 
     def __init__(self, until: datetime, reason: str, message: str) -> None:
@@ -73,7 +46,7 @@ class Refused(Deferral):
         self.reason = reason
 
 
-class Withdrawn(Exception):
+class Withdrawn(ServiceError):
     """Every job of the lookup was let go (deferred or lost) while it waited: nothing to
     admit any more."""
 
@@ -117,7 +90,7 @@ class Admission:
             return bool(self._live)
 
     def admit(self, cancelled: threading.Event) -> Admitted:
-        """Admit one lookup, waiting up to SLOT_WAIT_SECONDS for a slot (Refused otherwise)
+        """Admit one lookup, waiting up to SLOT_WAIT_SECONDS for a slot (AdmissionRefused otherwise)
         and out the database's unavailability; Withdrawn once `cancelled` is set."""
         if not self.needed:
             return NOT_NEEDED
@@ -128,7 +101,9 @@ class Admission:
             if row.refused == "budget":
                 metrics.warehouse_deferrals_total.labels("budget").inc()
                 metrics.budget_exhausted.set(1)
-                raise Refused(row.resets_at, "budget", "daily warehouse bytes budget spent")
+                raise AdmissionRefused(
+                    row.resets_at, "budget", "daily warehouse bytes budget spent"
+                )
             reason = "cap"
             if row.refused is None:
                 metrics.budget_exhausted.set(0)
@@ -146,7 +121,7 @@ class Admission:
             if time.monotonic() >= give_up:
                 metrics.warehouse_deferrals_total.labels(reason).inc()
                 until = row.now + timedelta(seconds=SLOT_DEFER_SECONDS)
-                raise Refused(until, reason, WAIT_REFUSALS[reason])
+                raise AdmissionRefused(until, reason, WAIT_REFUSALS[reason])
 
     def _take_retrying(
         self, cancelled: threading.Event

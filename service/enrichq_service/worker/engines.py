@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import sqlalchemy as sa
 
-from enrichq_schema.connections import create_engine, warehouse_engine
+from enrichq_schema.connections import engine_from_settings, warehouse_engine
 from enrichq_schema.settings import Settings
 
 
@@ -46,7 +46,7 @@ def build_engines(settings: Settings, url: str) -> WorkerEngines:
     # claim or settle, and the sweeper would wait on them: the server ends such a session
     # after one lease, the time after which its work is someone else's anyway.
     session = functools.partial(
-        create_engine,
+        engine_from_settings,
         settings,
         url,
         statement_timeout_seconds=settings.statement_timeout_seconds,

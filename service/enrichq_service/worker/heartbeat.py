@@ -1,19 +1,6 @@
-"""The heartbeat: every ENRICHQ_HEARTBEAT_SECONDS, one statement extends every lease this
-worker still holds, and another its warehouse admissions (for as long as their rows are
-there, whatever else it holds: a lookup whose attempt was abandoned still runs, and keeps
-its slot); a lease that did not come back is lost: its handler is told to stop and its
-result is never written.
-
-Only jobs not yet handed to the settler are extended: a job whose settle commits while the
-heartbeat runs is not a lost lease (the registry ignores the report of a job it has already
-let go), so `enrichq_heartbeat_lost_leases_total` counts only leases really lost.
-
-The watch (`Heartbeat.watch`, a thread of its own, because the heartbeat's may hang on a
-dead network) treats as lost every job whose lease no statement has confirmed for a whole
-lease: the database may have given the row to someone else by now. Its handler is told to
-stop and its result is never settled, whatever the network does meanwhile; a settle that
-was already on its way is refused by the fence when (if) it arrives.
-"""
+"""The heartbeat: extends every lease (and warehouse admission) this worker still holds,
+and tells the handler of a lease that did not come back, or went unconfirmed for a whole
+lease, to stop."""
 
 from __future__ import annotations
 

@@ -1,25 +1,6 @@
-"""A held job's life, as one small state machine, and the registry of the jobs held.
-
-Every job this process holds goes through these phases:
-
-    claimed ──start──▶ started ──finish──▶ finished ──hand_off──▶ settling ──settled──▶ settled
-       │                  │                    │
-       │ abandon          │ abandon            │ lose
-       ▼                  ▼                    ▼
-    settling           abandoned             lost
-    (defer: never      (retry handed to the
-     started, the       settler; the handler
-     attempt back)      may still return)
-
-and a heartbeat may find the lease gone (`lose`) in claimed, started or finished. The
-transition function is pure; the registry (`Jobs`) applies it under one lock and is the
-only state the claim loop, the runner, the settler and the heartbeat share.
-
-A job is one claim of a row (its id and claim token), not the row: a row deferred to now
-is claimed again, perhaps by this process, while its old claim is still being settled or
-is still in the heartbeat's snapshot. Every report about a job (lost, settled) names the
-claim, so it never touches the row's newer claim.
-"""
+"""A held job's life as one small pure state machine (claimed, started, finished, settling,
+settled, abandoned, lost), and the registry of the jobs held, the only state the worker's
+threads share."""
 
 from __future__ import annotations
 
@@ -33,6 +14,7 @@ from enum import StrEnum
 from uuid import UUID
 
 from enrichq_service.enrich import Ticket
+from enrichq_service.errors import ServiceError
 from enrichq_service.queue import Job
 
 
@@ -48,7 +30,7 @@ class Phase(StrEnum):
     LOST = "lost"  # the heartbeat found the lease gone: someone else's now
 
 
-class Event(StrEnum):
+class JobEvent(StrEnum):
     """What can happen to a held job."""
 
     START = "start"
@@ -59,53 +41,53 @@ class Event(StrEnum):
     LOSE = "lose"  # the heartbeat did not extend its lease
 
 
-class IllegalTransition(Exception):
+class IllegalTransition(ServiceError):
     """An event that cannot happen in a phase: a bug in the runtime, never a race."""
 
 
 # Events that may legitimately arrive late (a race with another thread) and change nothing.
-IGNORED: frozenset[tuple[Phase, Event]] = frozenset(
+IGNORED: frozenset[tuple[Phase, JobEvent]] = frozenset(
     {
-        (Phase.FINISHED, Event.ABANDON),  # it finished just in time
-        (Phase.SETTLING, Event.ABANDON),
-        (Phase.SETTLING, Event.LOSE),  # its settle committed first: not a lost lease
-        (Phase.SETTLED, Event.ABANDON),
-        (Phase.SETTLED, Event.LOSE),
-        (Phase.ABANDONED, Event.ABANDON),
-        (Phase.ABANDONED, Event.LOSE),
-        (Phase.ABANDONED, Event.FINISH),  # a late result: its lookup is logged, nothing else
-        (Phase.LOST, Event.ABANDON),
-        (Phase.LOST, Event.LOSE),
-        (Phase.LOST, Event.FINISH),  # a late result of a lost lease: logged, nothing else
-        (Phase.LOST, Event.START),  # a lost job never starts
-        (Phase.ABANDONED, Event.START),
-        (Phase.SETTLING, Event.START),  # deferred before it started: never starts
-        (Phase.SETTLED, Event.START),
-        (Phase.SETTLED, Event.FINISH),  # a late result of an abandoned job whose retry committed
-        (Phase.LOST, Event.SETTLED),  # a settle of a job lost meanwhile was refused
+        (Phase.FINISHED, JobEvent.ABANDON),  # it finished just in time
+        (Phase.SETTLING, JobEvent.ABANDON),
+        (Phase.SETTLING, JobEvent.LOSE),  # its settle committed first: not a lost lease
+        (Phase.SETTLED, JobEvent.ABANDON),
+        (Phase.SETTLED, JobEvent.LOSE),
+        (Phase.ABANDONED, JobEvent.ABANDON),
+        (Phase.ABANDONED, JobEvent.LOSE),
+        (Phase.ABANDONED, JobEvent.FINISH),  # a late result: its lookup is logged, nothing else
+        (Phase.LOST, JobEvent.ABANDON),
+        (Phase.LOST, JobEvent.LOSE),
+        (Phase.LOST, JobEvent.FINISH),  # a late result of a lost lease: logged, nothing else
+        (Phase.LOST, JobEvent.START),  # a lost job never starts
+        (Phase.ABANDONED, JobEvent.START),
+        (Phase.SETTLING, JobEvent.START),  # deferred before it started: never starts
+        (Phase.SETTLED, JobEvent.START),
+        (Phase.SETTLED, JobEvent.FINISH),  # a late result of an abandoned job whose retry committed
+        (Phase.LOST, JobEvent.SETTLED),  # a settle of a job lost meanwhile was refused
         # refused before it could start, but deferred (overdue) or lost meanwhile
-        (Phase.SETTLING, Event.HAND_OFF),
-        (Phase.SETTLED, Event.HAND_OFF),
-        (Phase.LOST, Event.HAND_OFF),
+        (Phase.SETTLING, JobEvent.HAND_OFF),
+        (Phase.SETTLED, JobEvent.HAND_OFF),
+        (Phase.LOST, JobEvent.HAND_OFF),
     }
 )
 
-MOVES: dict[tuple[Phase, Event], Phase] = {
-    (Phase.CLAIMED, Event.START): Phase.STARTED,
-    (Phase.CLAIMED, Event.HAND_OFF): Phase.SETTLING,  # refused before it could start
-    (Phase.CLAIMED, Event.ABANDON): Phase.SETTLING,  # overdue, never started: deferred
-    (Phase.CLAIMED, Event.LOSE): Phase.LOST,
-    (Phase.STARTED, Event.FINISH): Phase.FINISHED,
-    (Phase.STARTED, Event.ABANDON): Phase.ABANDONED,
-    (Phase.STARTED, Event.LOSE): Phase.LOST,
-    (Phase.FINISHED, Event.HAND_OFF): Phase.SETTLING,
-    (Phase.FINISHED, Event.LOSE): Phase.LOST,
-    (Phase.SETTLING, Event.SETTLED): Phase.SETTLED,
-    (Phase.ABANDONED, Event.SETTLED): Phase.SETTLED,
+MOVES: dict[tuple[Phase, JobEvent], Phase] = {
+    (Phase.CLAIMED, JobEvent.START): Phase.STARTED,
+    (Phase.CLAIMED, JobEvent.HAND_OFF): Phase.SETTLING,  # refused before it could start
+    (Phase.CLAIMED, JobEvent.ABANDON): Phase.SETTLING,  # overdue, never started: deferred
+    (Phase.CLAIMED, JobEvent.LOSE): Phase.LOST,
+    (Phase.STARTED, JobEvent.FINISH): Phase.FINISHED,
+    (Phase.STARTED, JobEvent.ABANDON): Phase.ABANDONED,
+    (Phase.STARTED, JobEvent.LOSE): Phase.LOST,
+    (Phase.FINISHED, JobEvent.HAND_OFF): Phase.SETTLING,
+    (Phase.FINISHED, JobEvent.LOSE): Phase.LOST,
+    (Phase.SETTLING, JobEvent.SETTLED): Phase.SETTLED,
+    (Phase.ABANDONED, JobEvent.SETTLED): Phase.SETTLED,
 }
 
 
-def transition(phase: Phase, event: Event) -> Phase:
+def transition(phase: Phase, event: JobEvent) -> Phase:
     """The phase after `event`; the same phase for an event that arrives too late to
     matter; IllegalTransition for one that cannot happen."""
     moved = MOVES.get((phase, event))
@@ -170,7 +152,7 @@ class Jobs:
             for h in held:
                 self._held[h.claim] = h
 
-    def _apply(self, held: Held, event: Event) -> tuple[Phase, Phase]:
+    def _apply(self, held: Held, event: JobEvent) -> tuple[Phase, Phase]:
         before = held.phase
         held.phase = transition(before, event)
         if held.phase in (Phase.SETTLING, Phase.ABANDONED) and held.handed_at is None:
@@ -183,7 +165,7 @@ class Jobs:
         """Start the jobs that may still start (claimed); the others never will."""
         with self._lock:
             return [
-                h for h in held if self._apply(h, Event.START) == (Phase.CLAIMED, Phase.STARTED)
+                h for h in held if self._apply(h, JobEvent.START) == (Phase.CLAIMED, Phase.STARTED)
             ]
 
     def hand_off(self, held: Held, *, finished: bool) -> bool:
@@ -191,16 +173,16 @@ class Jobs:
         started); False when it was abandoned, deferred or lost meanwhile (its result must
         not be settled: only its lookup, if any, is logged)."""
         with self._lock:
-            if finished and self._apply(held, Event.FINISH)[1] is not Phase.FINISHED:
+            if finished and self._apply(held, JobEvent.FINISH)[1] is not Phase.FINISHED:
                 return False
-            before, after = self._apply(held, Event.HAND_OFF)
+            before, after = self._apply(held, JobEvent.HAND_OFF)
             return before is not Phase.SETTLING and after is Phase.SETTLING
 
     def settled(self, held: Iterable[Held]) -> None:
         """Their settles committed, or were refused: no longer held."""
         with self._lock:
             for h in held:
-                self._apply(h, Event.SETTLED)
+                self._apply(h, JobEvent.SETTLED)
 
     def overdue(self, now: float) -> tuple[list[Held], list[Held]]:
         """Jobs past their deadline: (never started: to defer, running: to retry). Both are
@@ -212,7 +194,7 @@ class Jobs:
             for h in list(self._held.values()):
                 if h.deadline > now:
                     continue
-                before, after = self._apply(h, Event.ABANDON)
+                before, after = self._apply(h, JobEvent.ABANDON)
                 if (before, after) == (Phase.CLAIMED, Phase.SETTLING):
                     never.append(h)
                 elif after is Phase.ABANDONED and before is Phase.STARTED:
@@ -228,7 +210,7 @@ class Jobs:
         lost: list[Held] = []
         with self._lock:
             for h in held:
-                before, after = self._apply(h, Event.LOSE)
+                before, after = self._apply(h, JobEvent.LOSE)
                 if before is not Phase.LOST and after is Phase.LOST:
                     lost.append(h)
         for h in lost:

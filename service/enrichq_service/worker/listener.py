@@ -1,11 +1,5 @@
-"""The listener: LISTENs for enqueue notifications on a connection of its own (a LISTEN
-that shares a connection with queries stalls them) and wakes the claim loop; the loop also
-polls every ENRICHQ_POLL_SECONDS as a backstop, so a lost notification or connection only
-delays work.
-
-The connection goes where `enrichq_schema.connections.listen_url` says: behind a
-transaction pooler a LISTEN would hold a pooled session that others then use, so there it
-needs ENRICHQ_LISTEN_DATABASE_URL (a direct connection), or there is no listener at all."""
+"""The listener: LISTENs for enqueue notifications on a connection of its own and wakes the
+claim loop, which also polls as a backstop."""
 
 from __future__ import annotations
 

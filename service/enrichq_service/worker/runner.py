@@ -1,22 +1,5 @@
-"""The job runner: runs the enrichment of claimed jobs on a pool of threads.
-
-Jobs arrive in units: one job for a per-ticket enricher, up to ENRICHQ_LOOKUP_BATCH_SIZE
-for a batch enricher, and a unit takes one thread (and one warehouse query, for the
-built-in lookup). ENRICHQ_CONCURRENCY counts units: a worker holds up to that many units'
-worth of jobs. The runner owns the pool and knows how many threads are free; the claim
-loop claims only as many jobs as can start at once, so no job ever waits behind a hung
-plug-in and loses attempts it never used. A thread whose plug-in hangs past the attempt's
-deadline is abandoned (its job retried) and stays busy until the plug-in returns: the pool
-has a spare thread per slot, and once those are taken the worker claims less.
-
-For each unit the runner checks each job (known kind, payload, mirrored ticket), admits
-the lookup fleet-wide (budget, warehouse cap), starts the jobs that may still start (one
-deferred, lost or abandoned meanwhile never does: a job is not running while it waits for
-its admission, and its attempt is given back if its deadline passes then), runs the
-enricher (the unit's suspects, whose previous attempt lost its process, in a child
-process: `enrichq_service.isolate`), validates each result where it enters, and hands the
-settler one settlement per job.
-"""
+"""The job runner: runs the enrichment of claimed units of jobs on a pool of threads,
+admits their lookups, and hands the settler one settlement per job."""
 
 from __future__ import annotations
 
@@ -25,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 import sqlalchemy as sa
@@ -40,6 +23,7 @@ from enrichq_service.enrich import (
     Lookup,
     PluginAborted,
     Result,
+    Surcharge,
     charge_of,
     enrich_all,
     error_text,
@@ -49,7 +33,13 @@ from enrichq_service.enrich import (
 from enrichq_service.errors import Deferral, PermanentError, TransientError
 from enrichq_service.isolate import enrich_in_child, is_suspect
 from enrichq_service.queue import SettleAction
-from enrichq_service.worker.admission import NOT_NEEDED, Admission, Admitted, Refused, Withdrawn
+from enrichq_service.worker.admission import (
+    NOT_NEEDED,
+    Admission,
+    AdmissionRefused,
+    Admitted,
+    Withdrawn,
+)
 from enrichq_service.worker.lifecycle import Held, Jobs
 from enrichq_service.worker.settler import Settlement
 
@@ -78,7 +68,7 @@ class _Running:
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome:
+class JobEnrichment:
     """What one job's enrichment came to, before its settlement is built: its result or
     error, and its share of the warehouse job (also when its result was refused)."""
 
@@ -213,7 +203,7 @@ class Runner:
                 admitted = self._admission.admit(cancelled)
             except Withdrawn:
                 return
-            except Refused as exc:
+            except AdmissionRefused as exc:
                 if exc.reason == "budget":
                     self._on_budget_refused()
                 for held in ready:
@@ -248,11 +238,11 @@ class Runner:
 
     def _enrich(
         self, ready: list[Held], admitted: Admitted, deadline: float, cancelled: threading.Event
-    ) -> tuple[list[Outcome], dict[int, Lookup]]:
+    ) -> tuple[list[JobEnrichment], dict[int, Lookup]]:
         """Run the enricher for the ready jobs; their outcomes and lookup records."""
         began = time.monotonic()
         billed = 0
-        outcomes: list[Outcome] = []
+        outcomes: list[JobEnrichment] = []
         try:
             suspects: list[Held] = []
             rest: list[Held] = []
@@ -273,7 +263,7 @@ class Runner:
 
     def _outcomes(
         self, held: list[Held], deadline: float, cancelled: threading.Event, *, isolated: bool
-    ) -> list[Outcome]:
+    ) -> list[JobEnrichment]:
         """Enrich `held` in this process, or `isolated` in child processes (`isolate`)."""
         context = EnrichContext(
             self._settings,
@@ -289,7 +279,7 @@ class Runner:
             try:
                 values = enrich_in_child(context, tickets)
             except Exception as exc:  # no child could be started (out of processes, say)
-                return [Outcome(h, exc) for h in held]
+                return [JobEnrichment(h, exc) for h in held]
         else:
             values = enrich_all(self._enricher, tickets, context)
             if _aborted_batch(values) and not cancelled.is_set():
@@ -317,17 +307,23 @@ def _aborted_batch(values: Mapping[str, object]) -> bool:
     return any(isinstance(v, PluginAborted) and v.shared for v in values.values())
 
 
-def _checked(held: Held, value: object) -> Outcome:
+def _checked(held: Held, value: object) -> JobEnrichment:
     """One job's outcome from what the plug-in gave for it: an exception as it is, a result
-    validated where it enters (an invalid one fails this job alone, still charged)."""
+    validated where it enters (an invalid one fails this job alone, still charged); a
+    surcharge (bytes billed under answers the batch was not asked for) is added to it."""
+    if isinstance(value, Surcharge):
+        inner = _checked(held, value.value)
+        return replace(
+            inner, job_id=inner.job_id or value.job_id, billed=inner.billed + value.bytes_billed
+        )
     if isinstance(value, BaseException):
         # a failed warehouse job still billed: the built-in lookup records each share on it
-        return Outcome(held, value, *charge_of(value, held.job.key))
+        return JobEnrichment(held, value, *charge_of(value, held.job.key))
     try:
         checked = validate(value)
     except PermanentError as exc:
-        return Outcome(held, exc, *charge_of(value))
-    return Outcome(held, checked, checked.job_id, checked.bytes_billed)
+        return JobEnrichment(held, exc, *charge_of(value))
+    return JobEnrichment(held, checked, checked.job_id, checked.bytes_billed)
 
 
 def _precheck(held: Held) -> BaseException | None:
@@ -356,7 +352,7 @@ def _settlement_for(held: Held, value: object, lookup: Lookup | None) -> Settlem
     return Settlement(held, SettleAction.RETRY, error=error, lookup=lookup)
 
 
-def _lookup(outcome: Outcome, duration_ms: float, began: float, admitted: Admitted) -> Lookup:
+def _lookup(outcome: JobEnrichment, duration_ms: float, began: float, admitted: Admitted) -> Lookup:
     """The lookup-log record of one job's part of a lookup: its share of the warehouse job,
     whatever became of its result."""
     held, value = outcome.held, outcome.value

@@ -1,23 +1,5 @@
-"""The worker runtime: a claim loop, and the parts it hands work to.
-
-Each part owns its state and talks to the others through one registry of held jobs
-(`lifecycle.Jobs`, where every change is a transition of a job's small state machine):
-
-- the claim loop (`Worker.run`, the calling thread): claims as many rows as the runner can
-  start at once, of every kind, in the claim's fair order; abandons attempts past their
-  deadline; decides when a drain is over;
-- the runner (`runner.Runner`): runs the enrichment of each unit of jobs on a thread of
-  its own and hands each job's settlement to the settler;
-- the settler (`settler.Settler`): settles in groups, one transaction each;
-- the heartbeat (`heartbeat.Heartbeat`): extends the leases still needed;
-- the listener (`listener.listen`): wakes the claim loop on NOTIFY.
-
-Every thread runs under a supervisor: an error a part cannot handle itself (a bug) is
-logged, counted in `enrichq_worker_errors_total{thread}` and stops the worker with stop
-reason `error`, so `enrichq worker` exits 1 and its supervisor restarts it, never a silent
-hang. Losing the database is survived everywhere: each part backs off and carries on, and
-fencing makes a late settle harmless.
-"""
+"""The worker runtime: the claim loop, and the parts it hands work to (runner, settler,
+heartbeat, listener), each thread under a supervisor."""
 
 from __future__ import annotations
 
@@ -82,7 +64,7 @@ class RunResult:
     error: str | None = None
 
 
-class Tally:
+class RunCounts:
     """The run's counts, added to by several threads."""
 
     def __init__(self) -> None:
@@ -106,7 +88,7 @@ class Summary:
     """The one-line account of a worker's work since the last one: rows claimed and their
     outcomes (from the run's tally), lookups and bytes billed (from the process's counters)."""
 
-    def __init__(self, tally: Tally, *, every: float = SUMMARY_SECONDS) -> None:
+    def __init__(self, tally: RunCounts, *, every: float = SUMMARY_SECONDS) -> None:
         self._tally = tally
         self._every = every
         self._last_at = time.monotonic()
@@ -181,7 +163,7 @@ class Worker:
         self._wake = threading.Event()
         # set by a signal or by the embedding process; setting it wakes the claim loop
         self.stop: threading.Event = _WakingEvent(self._wake)
-        self._tally = Tally()
+        self._tally = RunCounts()
         self._fatal: str | None = None
         self._budget_refused = threading.Event()
         self._claim_conn = ThreadConnection(claims or engine)

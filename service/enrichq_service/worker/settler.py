@@ -1,25 +1,5 @@
-"""The settler: settles finished jobs in groups, one transaction per group.
-
-A group's transaction runs the fenced settle statement for every job in it, writes the
-results of exactly the completes that won, and records every lookup once per claim
-(charging the budget ledger for what it recorded, releasing the lookups' admissions).
-
-When a group's transaction fails:
-
-- for want of the database (a connection lost, the server restarting, a statement timed
-  out), the group is tried again after a backoff. Its COMMIT may have reached the server
-  and only the reply been lost: running it again changes nothing twice (the settle is
-  fenced, lookups are recorded once per claim), and a job the second run finds settled is
-  read back, so its outcome is what really happened, not "lost";
-- for anything else (the database refused a value, the driver could not send one, a bug
-  in a plug-in's result that validation missed: any exception at all), the group is
-  settled again one job per transaction, so only the guilty job is affected: its result
-  refused is recorded as a failure naming the error, with its lookup stripped to what
-  cannot be refused. No value of one group stops the settler or leaves the other jobs of
-  the group leased.
-
-Nothing else changes the settler's state; it owns its connection and its queue.
-"""
+"""The settler: settles finished jobs in groups, one transaction per group; a group that
+fails is tried again (database away) or settled job by job (anything else)."""
 
 from __future__ import annotations
 
@@ -53,9 +33,8 @@ from enrichq_service.worker.lifecycle import Held, Jobs
 log = logging.getLogger(__name__)
 
 # A group is one transaction: its BEGIN, its four statements and its COMMIT are paid once
-# for all its jobs. Up to a default worker's whole batch-enricher load (8 batches of 50):
-# with groups of 50 the settler was the worker's bottleneck (busy 98% of the time in
-# py-spy, tickets/s 0.89x of the queue's own claim → complete; 400: 1.18x, bench_e2e).
+# for all its jobs. Up to a default worker's whole batch-enricher load (8 batches of 50);
+# why not smaller: docs/modules.md (enrichq_service.worker.settler).
 GROUP_SIZE = 400
 GROUP_SECONDS = 0.005  # a group is flushed when full or this old
 

@@ -18,6 +18,23 @@ SELECT (
       AND (CAST(:since AS timestamptz) IS NULL OR l.looked_up_at >= CAST(:since AS timestamptz))
 ) AS tickets
 
+-- fragment: never_enriched_and_not_open
+-- Which never-enriched tickets (`never AS n`) a page enqueues: those with an id a queue key
+-- can hold and no open queue row of any kind (that row enriches them anyway).
+    WHERE char_length(n.key) BETWEEN 1 AND :key_max_length
+      AND NOT EXISTS (SELECT 1 FROM enrichq.queue AS o WHERE o.state = 'queued' AND o.key = n.key)
+      AND NOT EXISTS (SELECT 1 FROM enrichq.queue AS o WHERE o.state = 'leased' AND o.key = n.key)
+
+-- fragment: enqueue_due
+-- Where a page's backfill rows come from: its due tickets (none on a dry run), inserted
+-- in the global lock order, each at most once.
+    FROM due AS d
+    CROSS JOIN clock
+    WHERE NOT CAST(:dry_run AS boolean)
+    ORDER BY d.key COLLATE "C"
+    ON CONFLICT DO NOTHING
+    RETURNING q.id
+
 -- name: backfill_mirror_page
 -- One page of the mirror's tickets (tenant :tenant, NULL: every one; created at or after
 -- :since, NULL: all), the :page_size after the id :after in id order. Enqueues a backfill
@@ -45,9 +62,7 @@ never AS MATERIALIZED (
 due AS (
     SELECT n.key, n.tenant
     FROM never AS n
-    WHERE char_length(n.key) BETWEEN 1 AND :key_max_length
-      AND NOT EXISTS (SELECT 1 FROM enrichq.queue AS o WHERE o.state = 'queued' AND o.key = n.key)
-      AND NOT EXISTS (SELECT 1 FROM enrichq.queue AS o WHERE o.state = 'leased' AND o.key = n.key)
+    {{never_enriched_and_not_open}}
 ),
 -- in the global lock order, like every enqueue
 inserted AS (
@@ -55,12 +70,7 @@ inserted AS (
         (kind, key, tenant, priority, reason, state, visible_at, attempts, max_attempts)
     SELECT 'backfill', d.key, nullif(d.tenant, ''), :priority, 'manual', 'queued', clock.now, 0,
            :max_attempts
-    FROM due AS d
-    CROSS JOIN clock
-    WHERE NOT CAST(:dry_run AS boolean)
-    ORDER BY d.key COLLATE "C"
-    ON CONFLICT DO NOTHING
-    RETURNING q.id
+    {{enqueue_due}}
 )
 SELECT (SELECT count(*) FROM page) AS scanned,
        (SELECT count(*) FROM page) AS walked,
@@ -98,20 +108,13 @@ never AS MATERIALIZED (
 due AS (
     SELECT n.key
     FROM never AS n
-    WHERE char_length(n.key) BETWEEN 1 AND :key_max_length
-      AND NOT EXISTS (SELECT 1 FROM enrichq.queue AS o WHERE o.state = 'queued' AND o.key = n.key)
-      AND NOT EXISTS (SELECT 1 FROM enrichq.queue AS o WHERE o.state = 'leased' AND o.key = n.key)
+    {{never_enriched_and_not_open}}
 ),
 inserted AS (
     INSERT INTO enrichq.queue AS q
         (kind, key, tenant, priority, reason, state, visible_at, attempts, max_attempts)
     SELECT 'backfill', d.key, NULL, :priority, 'manual', 'queued', clock.now, 0, :max_attempts
-    FROM due AS d
-    CROSS JOIN clock
-    WHERE NOT CAST(:dry_run AS boolean)
-    ORDER BY d.key COLLATE "C"
-    ON CONFLICT DO NOTHING
-    RETURNING q.id
+    {{enqueue_due}}
 )
 SELECT (SELECT count(*) FROM page) AS scanned,
        (SELECT count(*) FROM ids) AS walked,

@@ -1,13 +1,6 @@
--- The sweeper's statements (DESIGN §3: sweep, redrive, prune; the refresh schedule; the
--- run log). Every statement takes :now (NULL = the database clock) so tests can move time.
--- Batched writes take their row locks in id order, like the queue's own statements, so a
--- batch and a worker's settle can wait for each other but never deadlock.
---
--- The retention prunes (retention_prune_*) share a shape, not text: each deletes a page of
--- its table's oldest rows past :cutoff (at most :batch_size, through the table's age index,
--- FOR UPDATE SKIP LOCKED, deleted by row version), but nearly every line of that shape
--- names the table, its age column or its own predicate. A fragment (constant text, see
--- enrichq_schema.queries) could hold a line or two at a time, so each prune is written out.
+-- The sweeper's statements: sweep, redrive, prune, the refresh schedule, the run log.
+-- Every statement takes :now (NULL = the database clock). Batched writes lock their rows in
+-- id order, like the queue's own statements, so a batch and a settle never deadlock.
 
 
 -- name: sweeper_statement_timeout
@@ -80,6 +73,24 @@ ORDER BY q.id
 LIMIT :batch_size;
 
 
+-- name: recovery_scan_page
+-- The page `recovery_scan` reads, as one row: its ids in the global lock order of queue
+-- rows, (key, kind, id) in byte order (COLLATE "C" compares bytes, as `lock_order` does),
+-- its last id (the cursor) and its size; ids NULL and n 0 when there is none. What a pass
+-- needs of a page, without a row per lease to build and sort in the sweeper.
+SELECT array_agg(p.id ORDER BY p.key COLLATE "C", p.kind COLLATE "C", p.id) AS ids,
+       max(p.id) AS last_id, count(*) AS n
+FROM (
+    SELECT q.id, q.kind, q.key
+    FROM enrichq.queue AS q
+    WHERE q.state = 'leased'
+      AND q.lease_expires_at < coalesce(CAST(:now AS timestamptz), now())
+      AND q.id > :after_id
+    ORDER BY q.id
+    LIMIT :batch_size
+) AS p;
+
+
 -- name: recovery_recover_batch
 -- Recovers the page's rows (:ids, in (key, kind, id) byte order) that are still expired
 -- leases, in one statement, and
@@ -109,13 +120,16 @@ seen AS MATERIALIZED (
     ) AS r
 ),
 -- the keys' queued rows (one per (kind, key) at most): one set of probes of the queued-key
--- index, both its columns bound; one queued after this statement's snapshot shows up as a
--- unique violation instead, and the caller runs the statement again
+-- index, both its columns bound by arrays built here from the page's rows (not sent by the
+-- caller: a thousand keys dumped as a text array cost the sweeper more CPU than the probes
+-- cost the server); one queued after this statement's snapshot shows up as a unique
+-- violation instead, and the caller runs the statement again
 queued AS (
     SELECT o.id, o.kind, o.key
     FROM enrichq.queue AS o
     WHERE o.state = 'queued'
-      AND o.kind = ANY(CAST(:kinds AS text[])) AND o.key = ANY(CAST(:keys AS text[]))
+      AND o.kind = ANY(ARRAY(SELECT DISTINCT s.kind FROM seen AS s))
+      AND o.key = ANY(ARRAY(SELECT s.key FROM seen AS s))
 ),
 decided AS MATERIALIZED (
     SELECT l.*, CASE WHEN NOT l.spent THEN o.id END AS queued_id
@@ -282,19 +296,11 @@ SELECT 'runs' AS what, count(*) AS n FROM deleted;
 SELECT coalesce(CAST(:now AS timestamptz), now()) - make_interval(secs => CAST(:seconds AS float8));
 
 
--- name: refresh_enqueue_page
--- One page of the refresh schedule: the next :batch_size tickets of {tickets_table}
--- updated in the last :updated_within_seconds, after the cursor (:after_updated_at,
--- :after_id) in (updated_at, id) order. Enqueues a refresh row (visible now, the ticket's
--- tenant and its plan's priority, :priority for ownerless tickets, like any enqueue) for
--- each whose enrichment is older than :enriched_before_seconds, unless the ticket has
--- open work of either kind, or the queue gave up on it after that enrichment (a failed
--- row, or a dead letter other than superseded): such a ticket waits for a redrive, so a
--- poison ticket is never fed to the fleet again. A never-enriched ticket is not refresh's
--- to do: its own enrich row is, or its dead letter. Returns how many rows went in, how
--- many tickets the page held, and where the next page starts.
--- {tickets_table} is an identifier, which cannot be a bound parameter: refresh.py puts in
--- the validated, quoted name from the settings before the text is compiled.
+-- fragment: recently_updated_page
+-- The clock, and the page of a walk of the tickets updated in the last
+-- :updated_within_seconds, after the cursor (:after_updated_at, :after_id) in (updated_at,
+-- id) order, :batch_size of them through the mirror's (updated_at, id) index: what the
+-- refresh and the reconcile passes walk.
 WITH clock AS (
     SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
 ),
@@ -311,6 +317,22 @@ page AS MATERIALIZED (
     ORDER BY t.updated_at, CAST(t.id AS text)
     LIMIT :batch_size
 ),
+
+
+-- name: refresh_enqueue_page
+-- One page of the refresh schedule: the next :batch_size tickets of {tickets_table}
+-- updated in the last :updated_within_seconds, after the cursor (:after_updated_at,
+-- :after_id) in (updated_at, id) order. Enqueues a refresh row (visible now, the ticket's
+-- tenant and its plan's priority, :priority for ownerless tickets, like any enqueue) for
+-- each whose enrichment is older than :enriched_before_seconds, unless the ticket has
+-- open work of either kind, or the queue gave up on it after that enrichment (a failed
+-- row, or a dead letter other than superseded): such a ticket waits for a redrive, so a
+-- poison ticket is never fed to the fleet again. A never-enriched ticket is not refresh's
+-- to do: its own enrich row is, or its dead letter. Returns how many rows went in, how
+-- many tickets the page held, and where the next page starts.
+-- {tickets_table} is an identifier, which cannot be a bound parameter: refresh.py puts in
+-- the validated, quoted name from the settings before the text is compiled.
+{{recently_updated_page}}
 due AS (
     SELECT p.key, p.tenant
     FROM page AS p
@@ -364,22 +386,7 @@ SELECT (SELECT count(*) FROM inserted) AS inserted,
 -- change: such a ticket waits for a redrive or a new change. Returns how many rows went in
 -- per tenant ('' = none), how many tickets the page held, and where the next page starts.
 -- {tickets_table} is an identifier: reconcile.py puts in the validated, quoted name.
-WITH clock AS (
-    SELECT coalesce(CAST(:now AS timestamptz), now()) AS now
-),
-page AS MATERIALIZED (
-    SELECT CAST(t.id AS text) AS key, t.updated_at,
-           -- the ticket's tenant, as ingest takes it (a tenant no enqueue accepts: none)
-           CASE WHEN char_length(CAST(t.tenant AS text)) BETWEEN 1 AND :key_max_length
-                THEN CAST(t.tenant AS text) END AS tenant
-    FROM {tickets_table} AS t
-    CROSS JOIN clock
-    WHERE t.updated_at >= clock.now - make_interval(secs => CAST(:updated_within_seconds AS float8))
-      AND (t.updated_at, CAST(t.id AS text))
-          > (CAST(:after_updated_at AS timestamptz), CAST(:after_id AS text))
-    ORDER BY t.updated_at, CAST(t.id AS text)
-    LIMIT :batch_size
-),
+{{recently_updated_page}}
 due AS (
     SELECT p.key, p.tenant
     FROM page AS p

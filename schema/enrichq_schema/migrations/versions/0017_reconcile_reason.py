@@ -29,8 +29,7 @@ REASONS_AFTER = f"{REASONS_BEFORE}, 'reconcile'"
 def _check(reasons: str) -> None:
     op.drop_constraint(op.f(CHECK), "queue", schema=SCHEMA, type_="check")
     op.execute(
-        f"ALTER TABLE {SCHEMA}.queue ADD CONSTRAINT {CHECK}"
-        f" CHECK (reason IN ({reasons})) NOT VALID"
+        f"ALTER TABLE {SCHEMA}.queue ADD CONSTRAINT {CHECK} CHECK (reason IN ({reasons})) NOT VALID"
     )
     op.execute(f"ALTER TABLE {SCHEMA}.queue VALIDATE CONSTRAINT {CHECK}")
 

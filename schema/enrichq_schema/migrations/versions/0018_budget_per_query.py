@@ -165,10 +165,16 @@ def downgrade() -> None:
     op.execute(f"DROP FUNCTION {SIGNATURE}")
     op.execute(_previous_admission())
     op.drop_constraint(
-        op.f("lookups_in_flight_cost_non_negative"), "lookups_in_flight", schema=SCHEMA, type_="check"
+        op.f("lookups_in_flight_cost_non_negative"),
+        "lookups_in_flight",
+        schema=SCHEMA,
+        type_="check",
     )
     op.drop_column("lookups_in_flight", "cost", schema=SCHEMA)
-    for name in ("budget_ledger_query_bytes_max_non_negative", "budget_ledger_queries_non_negative"):
+    for name in (
+        "budget_ledger_query_bytes_max_non_negative",
+        "budget_ledger_queries_non_negative",
+    ):
         op.drop_constraint(op.f(name), "budget_ledger", schema=SCHEMA, type_="check")
     op.drop_column("budget_ledger", "query_bytes_max", schema=SCHEMA)
     op.drop_column("budget_ledger", "queries", schema=SCHEMA)
@@ -181,7 +187,8 @@ def _previous_admission() -> str:
 
     path = Path(__file__).with_name("0015_admission_in_one_statement.py")
     spec = importlib.util.spec_from_file_location("enrichq_migration_0015", path)
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     text: str = module.ADMISSION_TAKE
