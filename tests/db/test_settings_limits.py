@@ -82,9 +82,12 @@ def test_the_built_in_lookup_runs_under_the_largest_attempt_deadline(
 def test_the_queue_takes_the_largest_delays_lease_aging_and_backoff(
     db_url: str, db_engine: sa.Engine
 ) -> None:
-    """Delays become now() + an interval, the lease make_interval(secs => …), the aging a
-    divisor, the backoff (capped before it reaches the statement) an interval."""
+    """Delays become now() + an interval rounded up to the lookup window's boundary (a
+    timestamp), the lease make_interval(secs => …), the aging a divisor, the backoff
+    (capped before it reaches the statement) an interval."""
     settings = at_their_largest(db_url)
+    window = settings.lookup_window_seconds
+    assert window > 0
     with db_engine.begin() as conn:
         queue.enqueue(
             conn,
@@ -96,13 +99,16 @@ def test_the_queue_takes_the_largest_delays_lease_aging_and_backoff(
         )
     delays = q(
         db_engine,
-        "SELECT key, round(extract(epoch FROM visible_at - created_at)) FROM enrichq.queue"
-        " ORDER BY key",
+        "SELECT key, extract(epoch FROM visible_at - created_at), extract(epoch FROM visible_at)"
+        " FROM enrichq.queue ORDER BY key",
     )
-    assert [(k, int(d)) for k, d in delays] == [
-        ("T-new", settings.delay_created_seconds),
-        ("T-old", settings.delay_updated_seconds),
-    ]
+    # each the delay, then at most one window more, to the window's next boundary
+    for (key, delay, at), wanted in zip(
+        delays, (settings.delay_created_seconds, settings.delay_updated_seconds), strict=True
+    ):
+        assert wanted - 1e-3 <= float(delay) <= wanted + window, key
+        assert float(at) % window == 0, key
+    assert [k for k, _, _ in delays] == ["T-new", "T-old"]
 
     enqueue(db_engine, ["T-now"])
     with db_engine.begin() as conn:
@@ -226,19 +232,21 @@ def test_every_number_is_covered_here() -> None:
         "heartbeat_seconds", "shutdown_grace_seconds", "sweep_interval_seconds",
         "refresh_interval_seconds", "parity_interval_hours", "parity_max_age_hours",
         "parity_grace_seconds", "parity_window_days", "reconcile_interval_seconds",
+        "lookup_window_seconds",
     }  # fmt: skip
     # compared in Python only, or checked by their own tests: ports (the OS's range),
     # fractions (0 to 1), the network timeout (tests/db/test_network_timeouts.py), the
     # body size and signature tolerance (compared with a request's), pool sizes, ingest's
     # database wait (an anyio timeout, tests/db/test_http_zendesk.py), serve's HTTP bounds
-    # (event-loop timers and counts, tests/db/test_http_robustness.py)
+    # (event-loop timers and counts, tests/db/test_http_robustness.py), the bytes one
+    # BigQuery job may bill (its maximum_bytes_billed, an int64; tests/e2e/test_bigquery.py)
     elsewhere = {
         "http_port", "metrics_port", "parity_min_order_coverage",
         "parity_min_ticket_match_rate", "parity_max_shadow_fault_rate",
         "network_timeout_seconds", "max_body_bytes", "webhook_tolerance_seconds",
         "lookup_batch_size", "parity_concurrency", "ingest_database_timeout_seconds",
         "http_header_timeout_seconds", "http_body_timeout_seconds", "http_max_connections",
-        "http_max_buffered_bytes",
+        "http_max_buffered_bytes", "max_bytes_per_query",
     }  # fmt: skip
     assert used | elsewhere == set(numeric_settings())
     assert all(bounds(name)[1] < float("inf") for name in numeric_settings())
