@@ -11,6 +11,7 @@ import sqlalchemy as sa
 from tests.support.db import q
 from tests.support.procs import enrichq_env, spawn, wait_for
 from tests.support.settings import make_settings
+from tests.support.world import seeded
 
 from enrichq_sweeper import passes
 
@@ -24,6 +25,8 @@ def test_the_run_of_a_killed_worker_is_closed_as_lost_and_then_pruned(
     db_engine: sa.Engine, db_url: str, tmp_path: Path
 ) -> None:
     settings = make_settings(db_url, **FAST)
+    # the mirror's tables: a worker refuses to start without them
+    seeded(db_engine, 1, enqueued=False)
     env = enrichq_env(db_url, **FAST)
     killed = spawn(["worker"], env, log=tmp_path / "killed.log")
     alive = spawn(["worker"], env, log=tmp_path / "alive.log")
