@@ -87,7 +87,10 @@ def test_serve_waits_for_the_schema_and_readyz_says_why(unmigrated: str, tmp_pat
     from tests.support.web import free_port
 
     port = free_port()
-    env = {**enrichq_env(unmigrated, http_host="127.0.0.1", http_port=port)}
+    # a secret: serve without one warns first, and only the schema is missing here
+    env = {
+        **enrichq_env(unmigrated, http_host="127.0.0.1", http_port=port, webhook_secret="s" * 32)
+    }
     refused = subprocess.run(
         [sys.executable, "-m", "enrichq_service", "serve", "--no-wait"],
         cwd=REPO,

@@ -9,7 +9,9 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+import sqlalchemy as sa
 from tests.support.procs import REPO, enrichq_env
+from tests.support.world import seeded
 
 
 @pytest.fixture
@@ -22,8 +24,10 @@ def taken_port() -> Iterator[int]:
 
 @pytest.mark.parametrize("command", [["worker", "--drain"], ["sweep"]])
 def test_a_taken_metrics_port_is_one_line_and_exit_2(
-    db_url: str, taken_port: int, command: list[str]
+    db_url: str, db_engine: sa.Engine, taken_port: int, command: list[str]
 ) -> None:
+    # the mirror's tables: without them the start-up stops on those first
+    seeded(db_engine, 1, enqueued=False)
     done = subprocess.run(
         [sys.executable, "-m", "enrichq_service", *command],
         cwd=REPO,
