@@ -179,6 +179,10 @@ def run_sweeper(
             if settings.metrics_port:
                 from prometheus_client import start_http_server
 
+                # at 0 from the start (no tenant: ''), so the dashboard and the alert's
+                # `increase()` see the first reconciled tickets
+                metrics.reconciled_total.labels("")
+
                 try:
                     start_http_server(settings.metrics_port)
                 except OSError as exc:
