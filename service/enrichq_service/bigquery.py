@@ -23,7 +23,8 @@ from enrichq_service.errors import Deferral, PermanentError, ServiceError, Trans
 
 LABEL_APP = "enrichq"
 # a bound value as the dialect's compiler writes it (pyformat), and as BigQuery names it
-PYFORMAT = re.compile(r"%\((\w+)\)s")
+# (pyformat, with the type where the compiler knows it: `%(name)s`, `%(name:STRING)s`)
+PYFORMAT = re.compile(r"%\((\w+)(?::[^)]*)?\)s")
 # a call to BigQuery when the attempt has no deadline (a direct call of the lookup)
 CALL_SECONDS_DEFAULT = 300.0
 # an abandoned job is cancelled; how long its lookup waits for it to end, to learn its bill
@@ -76,14 +77,14 @@ def client_of(conn: sa.Connection) -> Any:
 
 
 def compiled(
-    conn: sa.Connection, stmt: sa.TextClause, params: Mapping[str, Any]
+    dialect: sa.Dialect, stmt: sa.TextClause, params: Mapping[str, Any]
 ) -> tuple[str, list[Any]]:
     """`stmt` as BigQuery SQL with named parameters (@name), and those parameters: the
     dialect expands a list into one bound value each, as on every dialect."""
     from google.cloud import bigquery
 
     done = stmt.bindparams(**params).compile(
-        dialect=conn.dialect, compile_kwargs={"render_postcompile": True}
+        dialect=dialect, compile_kwargs={"render_postcompile": True}
     )
     sql = PYFORMAT.sub(lambda m: f"@{m.group(1)}", done.string)
     values: list[Any] = []
@@ -108,7 +109,7 @@ def run(
     from google.cloud import bigquery
 
     client = client_of(conn)
-    sql, values = compiled(conn, stmt, params)
+    sql, values = compiled(conn.dialect, stmt, params)
     if deadline is None:
         deadline = time.monotonic() + CALL_SECONDS_DEFAULT
     remaining = deadline - time.monotonic()
@@ -123,6 +124,7 @@ def run(
     job_id = f"enrichq_{uuid.uuid4().hex}"
     cancel = _Cancel(client, job_id)
     job = None
+    inserted = False
     try:
         with interruptible(cancel):
             job = client.query(
@@ -133,42 +135,72 @@ def run(
                 job_retry=None,
                 timeout=_left(deadline),
             )
+            inserted = True
+            cancel.created()
             rows = list(job.result(retry=_retry(deadline), timeout=_left(deadline)))
     except Exception as exc:
+        if job is None:
+            # the insert failed, or only its answer was lost: a job made under our id runs
+            # and bills all the same, so it is looked for (and cancelled, and charged)
+            job = _made_anyway(client, job_id)
+        if job is not None:
+            cancel.created()
         billed = _billed_at_end(client, job, cancel) if job is not None else 0
         error = cancel.why() or mapped(exc, max_bytes=max_bytes)
         # a query refused before it ran (on insert) is not the data's doing
-        data = job is not None and _reason(exc) in DATA_REASONS
+        data = inserted and _reason(exc) in DATA_REASONS
         raise JobFailed(error, job_id if job is not None else None, billed, data=data) from exc
     return Ran(rows, job.job_id or job_id, int(job.total_bytes_billed or 0))
 
 
 class _Cancel:
-    """Cancels the job from another thread, once, without waiting for BigQuery's answer."""
+    """Cancels the job from another thread, once, without waiting for BigQuery's answer;
+    asked before the job exists (its insert still on its way), once it does."""
 
     def __init__(self, client: Any, job_id: str) -> None:
         self._client = client
         self._job_id = job_id
-        self._sent = threading.Event()
+        self._lock = threading.Lock()
+        self._wanted = False
+        self._created = False
+        self._sent = False
 
     def __call__(self) -> None:
-        if self._sent.is_set():
-            return
-        self._sent.set()
+        with self._lock:
+            self._wanted = True
+        self._maybe_send()
+
+    def created(self) -> None:
+        """The job exists now: a cancel asked for before is sent."""
+        with self._lock:
+            self._created = True
+        self._maybe_send()
+
+    def _maybe_send(self) -> None:
+        with self._lock:
+            if not (self._wanted and self._created) or self._sent:
+                return
+            self._sent = True
         threading.Thread(target=self._send, name="enrichq-cancel", daemon=True).start()
 
     def _send(self) -> None:
         with contextlib.suppress(Exception):  # best effort: job_timeout_ms still ends it
             self._client.cancel_job(self._job_id, retry=None, timeout=REQUEST_SECONDS)
 
-    @property
-    def sent(self) -> bool:
-        return self._sent.is_set()
-
     def why(self) -> BaseException | None:
-        if not self.sent:
-            return None
+        """The error of a lookup whose job was cancelled because it was abandoned."""
+        with self._lock:
+            if not self._wanted:
+                return None
         return TransientError("the lookup was abandoned: its BigQuery job was cancelled")
+
+
+def _made_anyway(client: Any, job_id: str) -> Any:
+    """The job of `job_id` if BigQuery made it after all, or None."""
+    try:
+        return client.get_job(job_id, retry=None, timeout=REQUEST_SECONDS)
+    except Exception:  # not found, or BigQuery unreachable: nothing known to charge
+        return None
 
 
 def _billed_at_end(client: Any, job: Any, cancel: _Cancel) -> int:

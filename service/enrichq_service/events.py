@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from enrichq_schema.queries import load
 from enrichq_schema.settings import Settings
 from enrichq_service import queue
+from enrichq_service.errors import ServiceError
 
 SQL = load("enrichq_service", "sql/events.sql")
 SECONDS_PER_HOUR = 3600.0
@@ -108,8 +109,12 @@ def enqueue(
     ]
 
 
-class DuplicateKey(ValueError):
+class DuplicateKey(ServiceError):
     """A JSON object names one key twice."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__()
+        self.key = key
 
 
 def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -129,7 +134,7 @@ def duplicate_key(body: bytes) -> str | None:
     try:
         json.loads(body, object_pairs_hook=_refuse_duplicates)
     except DuplicateKey as exc:
-        return str(exc)
+        return exc.key
     except (ValueError, RecursionError):
         return None
     return None

@@ -1,12 +1,6 @@
-"""HTTP ingest ``POST /v1/events``, ``/healthz``, ``/readyz`` and ``/metrics`` (DESIGN §6).
-
-FastAPI and uvicorn are imported only here, so commands that serve no HTTP never load them.
-A request is checked in this order: framing (Content-Length with Transfer-Encoding: 400,
-closed), size, signature, timestamp, media type (JSON only, 415 otherwise) and encoding
-(identity only, 415 otherwise), body (duplicate keys: 422); then every event is enqueued in
-one transaction, or none is. Slow senders, connections and the bytes read before a
-signature is checked are bounded by `enrichq_service.http_guard`.
-"""
+"""HTTP ingest ``POST /v1/events`` (and Zendesk's), ``/healthz``, ``/readyz`` and
+``/metrics``: each request checked (framing, size, signature, timestamp, media type, body)
+before its events are enqueued in one transaction, or none is."""
 
 from __future__ import annotations
 

@@ -1,23 +1,6 @@
-"""What protects `serve` from senders it has not authenticated yet (issue #29).
-
-A webhook endpoint has to read a request before it can check its signature, so anyone who
-can reach it can make it hold sockets and memory. Bounded here:
-
-- the time a client has to send a request's head (`ENRICHQ_HTTP_HEADER_TIMEOUT_SECONDS`,
-  from the connection's start or the previous answer) and its body
-  (`ENRICHQ_HTTP_BODY_TIMEOUT_SECONDS`, from its head): then the connection is closed;
-- the connections open at once (`ENRICHQ_HTTP_MAX_CONNECTIONS`): one more is answered 503
-  with Retry-After and closed before anything of it is read;
-- the body bytes held by all requests together before their signatures are checked
-  (`ENRICHQ_HTTP_MAX_BUFFERED_BYTES`, `BodyBudget`): past it a request gets 503;
-- a request with both Content-Length and Transfer-Encoding, which two HTTP parsers can
-  split differently (request smuggling): 400, and the connection is closed, so nothing
-  sent after it is read as a request of its own.
-
-The first, second and fourth live in uvicorn's h11 protocol (`guarded_protocol`): uvicorn
-has a keep-alive timeout only, and h11 takes Transfer-Encoding over Content-Length and
-reads on. Every closed connection counts in `enrichq_http_connections_closed_total{reason}`.
-"""
+"""What protects `serve` from senders it has not authenticated yet: bounded time to send
+a request, connections open at once, body bytes held before signatures are checked, and
+no request with both Content-Length and Transfer-Encoding."""
 
 from __future__ import annotations
 

@@ -123,7 +123,7 @@ def scan(
 
 
 @dataclass(frozen=True, slots=True)
-class Page:
+class ExpiredPage:
     """A page of expired leases as a pass needs it: ids in the lock order, the cursor."""
 
     ids: tuple[int, ...]  # (key, kind, id) in byte order, as `lock_order` sorts
@@ -132,13 +132,13 @@ class Page:
 
 def scan_page(
     conn: sa.Connection, *, after_id: int, batch_size: int, now: datetime | None = None
-) -> Page:
+) -> ExpiredPage:
     """The page `scan` reads, in one row: no object per lease, no sort in Python."""
     ids, last_id, _ = conn.execute(
         sql()("recovery_scan_page"),
         {"after_id": after_id, "batch_size": batch_size, "now": now},
     ).one()
-    return Page(tuple(ids or ()), int(last_id or 0))
+    return ExpiredPage(tuple(ids or ()), int(last_id or 0))
 
 
 def lock_order(row: Expired) -> tuple[bytes, bytes, int]:
@@ -198,7 +198,7 @@ def _write(
 
 
 def _recover_page(
-    conn: sa.Connection, page: Page, now: datetime | None, *, savepoint: bool
+    conn: sa.Connection, page: ExpiredPage, now: datetime | None, *, savepoint: bool
 ) -> BatchOutcome | None:
     """`recover_batch`, without a savepoint unless asked; None (and the transaction rolled
     back) when an enqueue committed during the write took a key's queued slot: the caller

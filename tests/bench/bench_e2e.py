@@ -36,6 +36,7 @@ import httpx
 import sqlalchemy as sa
 
 from enrichq_schema.db import create_engine
+from enrichq_schema.settings import LOOKUP_BATCH_SIZE_DEFAULT
 from enrichq_schema.states import LEASE_EXPIRED_ERROR
 from enrichq_service import queue, seed
 from enrichq_service.queue import EnqueueRequest
@@ -155,8 +156,8 @@ def main() -> None:
         for workers in (1, 2):
             runs = (
                 ("no-op enricher per ticket (concurrency 16)", NOOP),
-                ("no-op batch enricher (batch 50)", NOOP_BATCH),
-                ("built-in lookup, batch 50", LOOKUP_BATCH),
+                (f"no-op batch enricher (batch {LOOKUP_BATCH_SIZE_DEFAULT})", NOOP_BATCH),
+                (f"built-in lookup, batch {LOOKUP_BATCH_SIZE_DEFAULT}", LOOKUP_BATCH),
                 ("built-in lookup per ticket (concurrency 16)", LOOKUP_SINGLE),
             )
             for label, settings in runs:

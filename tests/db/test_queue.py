@@ -15,9 +15,9 @@ from enrichq_schema.settings import Settings
 from enrichq_schema.states import Outcome, Plan
 from enrichq_schema.tables import LEASED_KEY_INDEX
 from enrichq_service import queue
+from enrichq_service.controls import actions as controls
+from enrichq_service.controls.filters import Filter, Scope
 from enrichq_service.queue import EnqueueRequest, Job
-from enrichq_sweeper import controls
-from enrichq_sweeper.filters import Filter, Scope
 
 T0 = datetime(2026, 1, 5, 12, 0, tzinfo=UTC)
 LEASE = 60.0
@@ -51,6 +51,33 @@ def claim_one(conn: sa.Connection, owner: str = "w1", now: float = 0) -> Job:
 
 
 # -- enqueue
+
+
+@pytest.mark.parametrize(
+    ("reason", "delay", "seconds_after", "visible_after"),
+    [
+        ("updated", 0, 7, 30),  # rounded up to the next boundary of 30 s
+        ("updated", 0, 30, 30),  # on a boundary: visible then
+        ("updated", 120, 7, 150),  # the delay first, then the boundary
+        ("created", 600, 31, 660),
+        ("manual", 0, 7, 7),  # a person is waiting: not held
+    ],
+)
+def test_the_lookup_window_rounds_event_visibility_up_to_its_boundary(
+    conn: sa.Connection, reason: str, delay: float, seconds_after: float, visible_after: float
+) -> None:
+    """ENRICHQ_LOOKUP_WINDOW_SECONDS: boundaries at the multiples of the window since the
+    epoch (T0 is one), after the reason's delay; manual work exempt."""
+    cfg = make_settings(
+        delay_created_seconds=600, delay_updated_seconds=120, lookup_window_seconds=30
+    )
+    [res] = queue.enqueue(
+        conn,
+        [EnqueueRequest.build(key="W-1", reason=reason, delay_seconds=delay)],
+        settings=cfg,
+        now=at(seconds_after),
+    )
+    assert row(conn, res.id).visible_at == at(visible_after)
 
 
 def test_enqueue_sets_visibility_delay_by_reason(conn: sa.Connection, cfg: Settings) -> None:
@@ -575,8 +602,9 @@ def test_refresh_work_is_its_tickets_tenants_so_pause_and_cancel_see_it(
     """The refresh schedule enqueues a stale ticket of acme with acme as its tenant (and
     acme's plan): with acme paused the claim leaves it alone, and `cancel --tenant acme
     --dry-run` selects it; an ownerless ticket's refresh stays ownerless."""
+    from enrichq_service.controls import pauses
     from enrichq_service.seed import SQL as SEED_SQL
-    from enrichq_sweeper import pauses, refresh
+    from enrichq_sweeper import refresh
 
     conn.execute(SEED_SQL("seed_create_helpdesk"))
     conn.execute(

@@ -130,3 +130,45 @@ def test_one_unstorable_job_fails_alone_and_the_settler_goes_on(
     assert q(
         db_engine, "SELECT count(*) FROM enrichq.ticket_orders WHERE ticket_id = :k", k=culprit
     ) == [(0,)]
+
+
+def test_the_settlements_of_one_lookup_are_never_split_between_groups(
+    db_url: str, db_engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lookup's settlements are put together and settled in one transaction, whatever the
+    group size: its bytes are charged where its admission is released, so the budget never
+    counts its reservation gone while part of its cost is not on the ledger yet. Groups of
+    at most 2 here; two lookups of 3 jobs each make two groups of 3, not 2 + 2 + 2."""
+    from enrichq_service.worker import settler as settler_module
+
+    monkeypatch.setattr(settler_module, "GROUP_SIZE", 2)
+    keys = seeded(db_engine, 6)
+    with db_engine.begin() as conn:
+        claimed = queue.claim(conn, owner=OWNER, limit=len(keys), lease_seconds=60)
+    jobs = Jobs()
+    held = [Held(job, None, deadline=float("inf")) for job in claimed]
+    jobs.add(held)
+    jobs.start(held)
+    settler = Settler(
+        db_engine, make_settings(db_url), OWNER, jobs, counted=lambda o, n: None, freed=lambda: None
+    )
+    groups: list[int] = []
+    flush = settler.flush
+
+    def counted_flush(group: list[Settlement]) -> None:
+        groups.append(len(group))
+        flush(group)
+
+    monkeypatch.setattr(settler, "flush", counted_flush)
+    settlements = []
+    for h in held:
+        assert jobs.hand_off(h, finished=True)
+        result = Result(h.id, h.job.key, Enrichment((Order(f"O-{h.job.key}"),)), None)
+        settlements.append(Settlement(h, queue.SettleAction.COMPLETE, result=result))
+    settler.put(*settlements[:3])
+    settler.put(*settlements[3:])
+    stop, give_up = threading.Event(), threading.Event()
+    stop.set()
+    settler.run(stop, give_up)
+    assert groups == [3, 3]
+    assert q(db_engine, "SELECT count(*) FROM enrichq.queue WHERE state = 'done'") == [(6,)]

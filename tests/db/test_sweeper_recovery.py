@@ -144,7 +144,7 @@ def test_a_page_comes_in_the_lock_order_the_sweeper_would_sort_it_in(
     assert page.ids == tuple(e.id for e in expected)
     assert page.last_id == max(e.id for e in expected)
     later = recovery.scan_page(conn, after_id=page.last_id, batch_size=100, now=T0)
-    assert later == recovery.Page((), 0)
+    assert later == recovery.ExpiredPage((), 0)
 
 
 def test_live_leases_and_other_states_are_not_touched(conn: sa.Connection) -> None:

@@ -267,6 +267,7 @@ def run_worker(env: dict[str, str], timeout: float = 120) -> subprocess.Complete
         ("not_a_key", "BigQuery credentials are missing or unusable"),
         ("no_table", "ENRICHQ_ORDERS_TABLE="),
         ("no_column", "has no column total"),
+        ("access_denied", "access denied"),
     ],
 )
 def test_a_worker_refuses_to_start_without_usable_credentials_or_tables(
@@ -274,6 +275,7 @@ def test_a_worker_refuses_to_start_without_usable_credentials_or_tables(
     db_url: str,
     db_engine: sa.Engine,
     warehouse: sa.Engine,
+    layer: FaultLayer,
     bq_env: dict[str, str],
     tmp_path: Path,
     problem: str,
@@ -297,6 +299,8 @@ def test_a_worker_refuses_to_start_without_usable_credentials_or_tables(
         env.update(
             HOME=str(tmp_path), GCE_METADATA_HOST="127.0.0.1:9", GCE_METADATA_IP="127.0.0.1:9"
         )
+    elif problem == "access_denied":
+        layer.faults.append(Fault("GET", r"/tables/", 403, "accessDenied", times=None))
     elif problem == "not_a_key":
         (tmp_path / "key.json").write_text(json.dumps({"type": "service_account"}))
         env["GOOGLE_APPLICATION_CREDENTIALS"] = str(tmp_path / "key.json")
@@ -369,6 +373,7 @@ def test_a_quota_error_defers_the_work_to_the_reset_without_spending_an_attempt(
 # -- a hung BigQuery does not hold up a stop
 
 
+@pytest.mark.parametrize("how", ["sigterm", "out_of_work"])
 def test_worker_drain_stops_in_bounded_time_while_a_bigquery_call_hangs(
     *,
     db_url: str,
@@ -377,95 +382,54 @@ def test_worker_drain_stops_in_bounded_time_while_a_bigquery_call_hangs(
     layer: FaultLayer,
     bq_env: dict[str, str],
     tmp_path: Path,
+    how: str,
 ) -> None:
+    """A BigQuery that never answers a job's insert: a SIGTERM stops the worker within its
+    grace period, and a drain whose last attempt was abandoned ends once the work is out,
+    though the call still hangs (the client would retry it for up to 10 minutes)."""
     ticket, dataset = one_ticket(db_engine, warehouse)
-    layer.hang = r"/jobs(\?|$)"  # the query job's insert never gets an answer
+    layer.hang = r"/jobs(\?|$)"
     before = len(layer.requests)
     env = enrichq_env(
         db_url,
         warehouse_url=URL,
         customers_table=f"{dataset}.customers",
         orders_table=f"{dataset}.orders",
-        attempt_deadline_seconds=600,
+        attempt_deadline_seconds=600 if how == "sigterm" else 3,
         shutdown_grace_seconds=1,
     )
     env.update(bq_env)
     proc = spawn(["worker", "--drain"], env, log=tmp_path / "worker.log")
     try:
         wait_for(lambda: layer.jobs(before), timeout=120, what="the lookup's job insert")
-        proc.send_signal(signal.SIGTERM)
-        # the attempt had 10 minutes left, the client would retry for longer: the stop
-        # does not wait for either
-        code = proc.wait(timeout=60)
+        if how == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=90)
     finally:
         stop(proc)
     assert code == 0, (tmp_path / "worker.log").read_text()
-    # handed back for a later attempt (this one had started: it is spent)
-    assert q(db_engine, "SELECT state, attempts FROM enrichq.queue WHERE key = :k", k=ticket) == [
-        ("queued", 1)
-    ]
+    [(state, attempts)] = q(
+        db_engine, "SELECT state, attempts FROM enrichq.queue WHERE key = :k", k=ticket
+    )
+    # handed back for a later attempt (the sweeper dead-letters it: attempts spent)
+    assert (state, attempts) == ("queued", 1)
 
 
-# -- a value BigQuery cannot read fails only its tickets (issue 30 item 5)
-
-TEXT_SCHEMA = {
-    "customers": "customer_id STRING, email STRING",
-    "orders_text": "order_id STRING, customer_id STRING, placed_at TIMESTAMP, total STRING",
-}
-
-
-def test_a_value_bigquery_cannot_read_fails_only_its_tickets(
-    db_url: str, db_engine: sa.Engine, warehouse: sa.Engine, layer: FaultLayer
+def test_a_job_whose_insert_answer_was_lost_is_found_and_charged(
+    db_engine: sa.Engine, warehouse: sa.Engine, layer: FaultLayer
 ) -> None:
-    rows = world(db_engine, tickets=24)
-    customer, failing = q(
-        db_engine,
-        "SELECT c.customer_id, array_agg(t.id ORDER BY t.id) FROM helpdesk.tickets AS t"
-        " JOIN warehouse.customers AS c ON lower(c.email) = lower(t.requester_email)"
-        " GROUP BY 1 ORDER BY count(*) DESC, 1 LIMIT 1",
-    )[0]
-    # only requesters who are customers with orders: BigQuery may read rows a query then
-    # leaves out, and the emulator (DuckDB, in parallel) casts the whole view for a requester
-    # with no customer at all, now and then, so such a ticket's own query may fail too
-    with db_engine.begin() as conn:
-        conn.execute(
-            sa.text(
-                "DELETE FROM enrichq.queue WHERE key NOT IN (SELECT t.id FROM helpdesk.tickets AS t"
-                + EXPECTED.split("helpdesk.tickets AS t")[1]
-                + ")"
-            )
-        )
-    text_rows = [
-        dict(r, total=None if r["total"] is None else str(r["total"])) for r in rows["orders"]
-    ]
-    text_rows.append(
-        {"order_id": "O-bad", "customer_id": customer, "placed_at": None, "total": "twelve"}
-    )
-    dataset = load(
-        warehouse, {"customers": rows["customers"], "orders_text": text_rows}, TEXT_SCHEMA
-    )
-    client(warehouse).query(
-        f"CREATE VIEW `{dataset}`.orders AS SELECT order_id, customer_id, placed_at,"
-        f" CAST(total AS NUMERIC) AS total FROM `{dataset}`.orders_text"
-    ).result()
+    """The insert reached BigQuery, its answer did not: the job ran under the id enrichq
+    gave it, so it is looked up, and what it billed is charged."""
+    ticket, dataset = one_ticket(db_engine, warehouse)
+    settings = bq_settings(str(db_engine.url), dataset)
+    with db_engine.connect() as conn:
+        tickets = list(read_tickets(conn, settings, [ticket]).values())
+    layer.faults.append(Fault("POST", r"/jobs(\?|$)", 503, "backendError", forward=True))
     before = len(layer.requests)
-    settings = bq_settings(db_url, dataset, concurrency=1, lookup_batch_size=24)
-    result = Worker(settings, db_engine, warehouse=warehouse).run(drain=True)
-    assert result.stop_reason == "no_work"
-    states = {
-        k: (s, e) for k, s, e in q(db_engine, "SELECT key, state, last_error FROM enrichq.queue")
-    }
-    for ticket in failing:
-        state, error = states[ticket]
-        assert state == "failed", (ticket, error)
-        assert "the warehouse could not read the orders: BigQuery invalidQuery" in error
-    good = set(states) - set(failing)
-    assert len(good) > len(failing)
-    assert {states[k][0] for k in good} == {"done"}
-    assert written(db_engine) == {r for r in q(db_engine, EXPECTED) if r[0] in good}
-    # every query job of the split was charged, the failed ones shared by their tickets
-    jobs = [j["jobReference"]["jobId"] for j in layer.query_jobs(before)]
-    assert 1 < len(jobs) <= 2 * len(states)  # halves, down to the culprits: bounded
-    total = sum(layer.billed[j] for j in jobs)
-    assert q(db_engine, "SELECT sum(bytes_billed) FROM enrichq.lookup_log") == [(total,)]
-    assert q(db_engine, "SELECT bytes_billed FROM enrichq.budget_ledger") == [(total,)]
+    found = warehouse_lookup_batch(tickets, EnrichContext(settings, warehouse))[ticket]
+    assert isinstance(found, TransientError)
+    [job] = layer.query_jobs(before)
+    job_id = job["jobReference"]["jobId"]
+    assert (
+        charge_of(found, ticket) == (job_id, 2 * MIN_BYTES_BILLED) == (job_id, layer.billed[job_id])
+    )

@@ -3,10 +3,13 @@ process, and those whose isolated child ran out of time while looking for a pois
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from enrichq_schema.states import LEASE_EXPIRED_ERROR
 from enrichq_service.enrich import ABORTED
+from enrichq_service.errors import TransientError
 from enrichq_service.isolate import CHILD_DIED, CHILD_RAN_PAST, is_suspect
 
 
@@ -31,3 +34,16 @@ def test_a_job_whose_attempt_may_have_met_a_poison_pill_is_a_suspect(error: str)
 def test_an_ordinary_failure_is_no_suspect(error: str | None) -> None:
     assert not is_suspect(2, error)
     assert not is_suspect(1, LEASE_EXPIRED_ERROR)  # the first attempt has no history
+
+
+def test_a_surcharge_crosses_from_an_isolated_child_with_its_bytes() -> None:
+    """Bytes billed under answers a batch was not asked for reach the parent with the
+    ticket's own outcome, a result or an error alike (`enrich.Surcharge`)."""
+    from enrichq_service.enrich import Enrichment, Missing, Order, Surcharge
+    from enrichq_service.isolate import _answer, _outcome
+
+    for value in (Enrichment((Order("O-1"),), job_id="j", bytes_billed=5), Missing("gone")):
+        back = _outcome(json.loads(json.dumps(_answer(Surcharge(value, 3000, "q-1")))))
+        assert isinstance(back, Surcharge)
+        assert (back.bytes_billed, back.job_id) == (3000, "q-1")
+        assert type(back.value) is (Enrichment if isinstance(value, Enrichment) else TransientError)

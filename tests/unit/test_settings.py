@@ -36,6 +36,7 @@ def test_defaults_match_the_design() -> None:
     assert (s.sweep_interval_seconds, s.poll_seconds, s.concurrency) == (30, 5, 8)
     assert (s.retention_days, s.dead_letter_retention_days) == (30, 90)
     assert s.daily_bytes_budget == 0
+    assert s.max_bytes_per_query == 10 * 2**30
     assert s.tickets_table == "helpdesk.tickets"
     assert s.legacy_table == "legacy.ticket_orders"
     assert (s.http_port, s.metrics_port) == (8080, 9464)
@@ -71,6 +72,10 @@ def test_toml_file_is_read_and_environment_wins(
         ({"ENRICHQ_HEARTBEAT_SECONDS": "30"}, "ENRICHQ_HEARTBEAT_SECONDS"),
         ({"ENRICHQ_DELAY_CREATED_SECONDS": "-1"}, "ENRICHQ_DELAY_CREATED_SECONDS"),
         ({"ENRICHQ_MODE": "yolo"}, "ENRICHQ_MODE"),
+        # below BigQuery's 10 MB minimum every query would be refused; above 2^50 no lookup
+        # may report its bill
+        ({"ENRICHQ_MAX_BYTES_PER_QUERY": str(10 * 2**20 - 1)}, "ENRICHQ_MAX_BYTES_PER_QUERY"),
+        ({"ENRICHQ_MAX_BYTES_PER_QUERY": str(2**50 + 1)}, "ENRICHQ_MAX_BYTES_PER_QUERY"),
         ({"ENRICHQ_CONCURRENCY": "many"}, "ENRICHQ_CONCURRENCY"),
         ({"ENRICHQ_PARITY_CONCURRENCY": "0"}, "ENRICHQ_PARITY_CONCURRENCY"),
         ({"ENRICHQ_ENRICHER": "no_colon"}, "ENRICHQ_ENRICHER"),

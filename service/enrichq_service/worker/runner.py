@@ -89,7 +89,7 @@ class Runner:
         enricher: EnricherChoice,
         warehouse: sa.Engine,
         admission: Admission,
-        settle: Callable[[Settlement], None],
+        settle: Callable[..., None],
         on_budget_refused: Callable[[], None],
     ) -> None:
         self._settings = settings
@@ -222,13 +222,17 @@ class Runner:
                 self._forget(unit)
                 raise
         try:
-            for outcome in outcomes:
-                lookup = lookups.get(outcome.held.id)
-                self._hand_off(
-                    outcome.held,
-                    _settlement_for(outcome.held, outcome.value, lookup),
+            # handed to the settler together: the lookup's bytes are charged, and its
+            # admission released, in one transaction
+            handed = [
+                self._handed(
+                    o.held,
+                    _settlement_for(o.held, o.value, lookups.get(o.held.id)),
                     finished=True,
                 )
+                for o in outcomes
+            ]
+            self._settle(*(h for h in handed if h is not None))
         finally:
             self._forget(unit)
 
@@ -295,11 +299,18 @@ class Runner:
         return [_checked(h, values[h.job.key]) for h in held]
 
     def _hand_off(self, held: Held, settlement: Settlement, *, finished: bool) -> None:
+        handed = self._handed(held, settlement, finished=finished)
+        if handed is not None:
+            self._settle(handed)
+
+    def _handed(self, held: Held, settlement: Settlement, *, finished: bool) -> Settlement | None:
+        """What of `settlement` goes to the settler: all of it, or only its lookup (the job
+        was abandoned or lost meanwhile: its result must not land, its lookup is charged)."""
         if self._jobs.hand_off(held, finished=finished):
-            self._settle(settlement)
-        elif settlement.lookup is not None:
-            # abandoned or lost meanwhile: its result must not land, its lookup is charged
-            self._settle(Settlement(held, None, lookup=settlement.lookup))
+            return settlement
+        if settlement.lookup is not None:
+            return Settlement(held, None, lookup=settlement.lookup)
+        return None
 
 
 def _aborted_batch(values: Mapping[str, object]) -> bool:

@@ -33,8 +33,9 @@ from enrichq_service.worker.lifecycle import Held, Jobs
 log = logging.getLogger(__name__)
 
 # A group is one transaction: its BEGIN, its four statements and its COMMIT are paid once
-# for all its jobs. Up to a default worker's whole batch-enricher load (8 batches of 50);
-# why not smaller: docs/modules.md (enrichq_service.worker.settler).
+# for all its jobs. Chosen as a default worker's whole batch-enricher load of 8 batches of
+# 50 (two batches of 200 now), and never splitting one lookup's settlements (`put`); why not
+# smaller: docs/modules.md (enrichq_service.worker.settler).
 GROUP_SIZE = 400
 GROUP_SECONDS = 0.005  # a group is flushed when full or this old
 
@@ -79,11 +80,16 @@ class Settler:
         self._jobs = jobs
         self._counted = counted
         self._freed = freed
-        self._queue: stdqueue.Queue[Settlement] = stdqueue.Queue()
+        # each item the settlements of one lookup (or one job), settled in one group: a
+        # lookup's bytes are charged in the transaction that releases its admission, so
+        # the budget never sees its reservation gone before all of its cost is on the ledger
+        self._queue: stdqueue.Queue[tuple[Settlement, ...]] = stdqueue.Queue()
         self._maybe_settled = False  # the last attempt at the pending group may have committed
 
-    def put(self, settlement: Settlement) -> None:
-        self._queue.put(settlement)
+    def put(self, *settlements: Settlement) -> None:
+        """Settle these together, in one group (the jobs of one lookup)."""
+        if settlements:
+            self._queue.put(settlements)
 
     def pending(self) -> int:
         return self._queue.qsize()
@@ -97,7 +103,7 @@ class Settler:
             while not give_up.is_set():
                 if not group:
                     try:
-                        group.append(self._queue.get(timeout=0.1))
+                        group.extend(self._queue.get(timeout=0.1))
                     except stdqueue.Empty:
                         if stop.is_set():
                             return
@@ -106,7 +112,7 @@ class Settler:
                 while len(group) < GROUP_SIZE:
                     left = GROUP_SECONDS - (time.monotonic() - first_at)
                     try:
-                        group.append(self._queue.get(timeout=max(left, 0)))
+                        group.extend(self._queue.get(timeout=max(left, 0)))
                     except stdqueue.Empty:
                         break
                 try:
