@@ -9,7 +9,10 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+import sqlalchemy as sa
 from tests.support.procs import REPO, enrichq_env
+
+from enrichq_service.seed import create_external_tables
 
 
 @pytest.fixture
@@ -22,8 +25,10 @@ def taken_port() -> Iterator[int]:
 
 @pytest.mark.parametrize("command", [["worker", "--drain"], ["sweep"]])
 def test_a_taken_metrics_port_is_one_line_and_exit_2(
-    db_url: str, taken_port: int, command: list[str]
+    db_url: str, db_engine: sa.Engine, taken_port: int, command: list[str]
 ) -> None:
+    with db_engine.begin() as conn:  # the mirror both read (checked before the port)
+        create_external_tables(conn)
     done = subprocess.run(
         [sys.executable, "-m", "enrichq_service", *command],
         cwd=REPO,
