@@ -12,6 +12,7 @@ from tests.support.db import q
 from tests.support.procs import enrichq_env, spawn, wait_for
 from tests.support.settings import make_settings
 
+from enrichq_service.seed import create_external_tables
 from enrichq_sweeper import passes
 
 # A lease of 2 s: a worker run silent for a few leases is lost.
@@ -25,6 +26,8 @@ def test_the_run_of_a_killed_worker_is_closed_as_lost_and_then_pruned(
 ) -> None:
     settings = make_settings(db_url, **FAST)
     env = enrichq_env(db_url, **FAST)
+    with db_engine.begin() as conn:  # the mirror a worker checks for at start-up
+        create_external_tables(conn)
     killed = spawn(["worker"], env, log=tmp_path / "killed.log")
     alive = spawn(["worker"], env, log=tmp_path / "alive.log")
     try:
