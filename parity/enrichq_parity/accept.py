@@ -19,12 +19,12 @@ from enrichq_parity.model import (
     AcceptRule,
     TicketClass,
 )
+from enrichq_schema.states import TENANT_MAX_LENGTH
 
 MAX_RULES = 1000
 MAX_TICKETS_PER_RULE = 100_000
 REASON_MAX_LENGTH = 2000
 AUTHOR_MAX_LENGTH = 200
-TENANT_MAX_LENGTH = 200
 TICKET_ID_MAX_LENGTH = 200
 KEYS = ("class", "tenant", "tickets", "first_day", "last_day", "reason", "author")
 

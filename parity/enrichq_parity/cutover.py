@@ -3,9 +3,7 @@ gated on an approved, fresh, passing parity run; rollback is never gated."""
 
 from __future__ import annotations
 
-import getpass
 import random
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,18 +23,10 @@ from enrichq_parity.model import (
     pct,
     plural,
 )
-from enrichq_parity.review import (
-    ParityRefused,
-    ReviewInputError,
-    approvals_of,
-    check_name,
-    say_failure,
-)
+from enrichq_parity.review import ParityRefused, approvals_of
 from enrichq_schema.identifiers import qualified, relation_exists, render
-from enrichq_schema.process import Exit
 from enrichq_schema.queries import Queries, load
 from enrichq_schema.tables import PUBLIC_SCHEMA
-from enrichq_schema.text import utc_time
 
 if TYPE_CHECKING:
     from enrichq_schema.settings import Settings
@@ -49,7 +39,6 @@ SHADOW_TABLE = "enrichq.ticket_orders"
 LOCK_TIMEOUT = "200ms"
 # Tries go on this long by default (`enrichq cutover --wait`).
 WAIT_SECONDS_DEFAULT = 60.0
-TENANT_MAX_LENGTH = 200
 LOCK_NOT_AVAILABLE = "55P03"
 
 
@@ -282,13 +271,13 @@ def _covered(
         if tenants is not None and len(scope) == 1:
             (tenant,) = scope
             out.append(
-                f"{plural(never[tenant], 'ticket')} of tenant {_name(tenant)} that consumers "
+                f"{plural(never[tenant], 'ticket')} of tenant {tenant_name(tenant)} that consumers "
                 "can read were never enriched by enrichq (all time, not only the parity "
-                f"window): run `enrichq backfill --tenant {_name(tenant)}` and let the "
+                f"window): run `enrichq backfill --tenant {tenant_name(tenant)}` and let the "
                 "workers drain it"
             )
         else:
-            which = ", ".join(f"{_name(t)} {n:,}" for t, n in never.items())
+            which = ", ".join(f"{tenant_name(t)} {n:,}" for t, n in never.items())
             out.append(
                 f"{plural(sum(never.values()), 'ticket')} that consumers can read were never "
                 f"enriched by enrichq ({which}; all time, not only the parity window): run "
@@ -306,8 +295,8 @@ def _covered(
         if now_.enriched < then.enriched or now_.shadow_orders < then.shadow_orders:
             out.append(
                 f"{SHADOW_TABLE} holds {now_.shadow_orders:,} order rows of "
-                f"{plural(now_.enriched, 'enriched ticket')} of tenant {_name(tenant)}, fewer "
-                f"than parity run #{run.id} saw ({then.shadow_orders:,} order rows of "
+                f"{plural(now_.enriched, 'enriched ticket')} of tenant {tenant_name(tenant)}, "
+                f"fewer than parity run #{run.id} saw ({then.shadow_orders:,} order rows of "
                 f"{then.enriched:,}): run `enrichq parity` again"
             )
     return out
@@ -317,9 +306,11 @@ def _passing(run: GateRun, own: Thresholds, bars: Thresholds, tenant: str | None
     """Why the run does not pass for `tenant` (None: over every ticket) by the bars in force
     now; [] when it does."""
     tally = run.total if tenant is None else run.tenants.get(tenant)
-    who = "" if tenant is None else f" for tenant {_name(tenant)}"
+    who = "" if tenant is None else f" for tenant {tenant_name(tenant)}"
     if tally is None:
-        return [f"parity run #{run.id} has no tickets of tenant {_name(tenant)}: nothing to judge"]
+        return [
+            f"parity run #{run.id} has no tickets of tenant {tenant_name(tenant)}: nothing to judge"
+        ]
     verdict = decide(tally, bars)
     if not verdict.passed:
         return [f"parity run #{run.id} did not pass{who} ({verdict.reason}){_bars_then(own, bars)}"]
@@ -598,10 +589,11 @@ def _moved(
 def _tenant_list(tenants: Sequence[str] | frozenset[str]) -> str:
     names_ = sorted(set(tenants))
     label = "tenant" if len(names_) == 1 else "tenants"
-    return f"{label} {', '.join(_name(t) for t in names_)}"
+    return f"{label} {', '.join(tenant_name(t) for t in names_)}"
 
 
-def _name(tenant: str | None) -> str:
+def tenant_name(tenant: str | None) -> str:
+    """A tenant as messages and tables show it ('' is "(no tenant)")."""
     return "(no tenant)" if tenant == "" else str(tenant)
 
 
@@ -775,130 +767,3 @@ def status(conn: sa.Connection, settings: Settings) -> Status:
     )
     description = _describe(state, settings) if exists else "nothing yet: the view does not exist"
     return Status(exists, state, description, tuple(rows), whole)
-
-
-# -- the command line -----------------------------------------------------------------------
-
-
-def default_actor() -> str:
-    """The OS user running the command, for the record."""
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):
-        return "unknown"
-
-
-def check_tenants(tenants: Sequence[str]) -> tuple[str, ...]:
-    """The --tenant values, each 0 to TENANT_MAX_LENGTH printable characters ('' = none)."""
-    for tenant in tenants:
-        if len(tenant) > TENANT_MAX_LENGTH or not tenant.isprintable():
-            raise ReviewInputError(
-                f"--tenant {tenant!r}: expected at most {TENANT_MAX_LENGTH} printable characters"
-            )
-    return tuple(dict.fromkeys(tenants))
-
-
-def run_cli(
-    settings: Settings,
-    url: str,
-    *,
-    rollback: bool,
-    actor: str | None,
-    tenants: Sequence[str] = (),
-    exclude: Sequence[str] = (),
-    show_status: bool = False,
-    as_json: bool = False,
-    wait_seconds: float = WAIT_SECONDS_DEFAULT,
-) -> int:
-    """`enrichq cutover [--rollback] [--tenant T]... | --status`: 0 done (or nothing to do),
-    1 refused, 2 bad input."""
-    import json
-
-    from enrichq_schema.connections import engine_from_settings
-
-    action = Action.ROLLBACK if rollback else Action.CUTOVER
-    try:
-        who = check_name(default_actor() if actor is None else actor, "--actor")
-        chosen = check_tenants(tenants) if tenants else None
-        excluded = check_tenants(exclude)
-    except ReviewInputError as exc:
-        return say_failure("cutover", exc)
-    engine = engine_from_settings(
-        settings,
-        url,
-        application_name="enrichq-cutover",
-        pool_size=1,
-        statement_timeout_seconds=settings.statement_timeout_seconds,
-    )
-    try:
-        if show_status:
-            with engine.connect() as conn:
-                report = status(conn, settings)
-            if as_json:
-                print(json.dumps(report.as_dict(), indent=2))
-            else:
-                _print_status(report)
-            return Exit.OK
-        result = repoint_waiting(
-            engine,
-            settings,
-            action=action,
-            tenants=chosen,
-            actor=who,
-            exclude=excluded,
-            wait_seconds=wait_seconds,
-            on_retry=lambda tries: _waiting(action, tries),
-        )
-    except (CutoverRefused, CutoverError) as exc:
-        return say_failure(action.value, exc)
-    except sa.exc.OperationalError as exc:
-        if not lock_not_available(exc):
-            raise
-        print(
-            f"enrichq: {action.value}: {VIEW} is held by a long-running reader (tried for "
-            f"{wait_seconds:g} s, readers never held up longer than {LOCK_TIMEOUT}); nothing "
-            "changed: end that reader or try again with a longer --wait",
-            file=sys.stderr,
-        )
-        return Exit.FAILED
-    finally:
-        engine.dispose()
-    print(f"{action.value}: {result.message}")
-    return Exit.OK
-
-
-def _waiting(action: Action, tries: int) -> None:
-    """Tell the operator, once and then every 10 tries, why the step has not happened yet."""
-    if tries == 1 or tries % 10 == 0:
-        print(
-            f"{action.value}: waiting for readers of {VIEW} to let the swap through "
-            f"(try {tries}); readers are held up {LOCK_TIMEOUT} at most per try",
-            file=sys.stderr,
-        )
-
-
-def _print_status(report: Status) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=140)  # a pipe or a file: no terminal to fit
-    console.print(f"{VIEW} reads {report.description}", highlight=False, markup=False)
-    if not report.tenants:
-        console.print("no tenant known yet (none in the latest parity run, none ever moved)")
-        return
-    table = Table(box=None, pad_edge=False, header_style="bold")
-    for name in ("tenant", "reads", "since (UTC)", "by", "event", "parity run"):
-        table.add_column(name)
-    for t in report.tenants:
-        table.add_row(
-            _name(t.tenant),
-            t.reads,
-            utc_time(t.since, seconds=True),
-            t.actor or "—",
-            "—" if t.event_id is None else f"#{t.event_id}",
-            "—" if t.parity_run_id is None else f"#{t.parity_run_id}",
-            style="green" if t.reads == SHADOW_TABLE else None,
-        )
-    console.print(table)

@@ -3,11 +3,9 @@ report."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -21,17 +19,13 @@ from enrichq_parity.model import (
     Verdict,
     decide,
     failing_tenants,
-    pct,
 )
 from enrichq_schema.db import as_record
-from enrichq_schema.errors import EnrichqError
-from enrichq_schema.process import Exit, say
 from enrichq_schema.queries import Queries, load
 from enrichq_schema.tables import APPROVAL_NOTE_MAX_LENGTH, APPROVER_MAX_LENGTH
-from enrichq_schema.text import utc_time
 
 if TYPE_CHECKING:
-    from enrichq_schema.settings import Settings
+    pass
 
 RUNS_LIMIT_DEFAULT = 20
 
@@ -268,170 +262,5 @@ def load_report(conn: sa.Connection, run_id: int) -> tuple[ParityReport, tuple[A
     return report, approvals_of(conn, [run_id])[run_id]
 
 
-def say_failure(command: str, exc: EnrichqError) -> int:
-    """Say in one line why `command` changed nothing; its exit code (1 refused, 2 bad input)."""
-    if isinstance(exc, ParityRefused):
-        say(f"{command} refused: {exc}")
-        return Exit.FAILED
-    say(f"{command}: {exc}")
-    return Exit.USAGE
-
-
 def _printable(text: str) -> bool:
     return text.replace("\n", " ").replace("\t", " ").isprintable()
-
-
-def _engine(settings: Settings, url: str) -> sa.Engine:
-    from enrichq_schema.connections import engine_from_settings
-
-    return engine_from_settings(
-        settings,
-        url,
-        application_name="enrichq-parity",
-        pool_size=1,
-        statement_timeout_seconds=settings.statement_timeout_seconds,
-    )
-
-
-def approve_cli(settings: Settings, url: str, *, run_id: int, by: str, note: str | None) -> int:
-    """`enrichq parity approve RUN --by NAME`: 0 approved, 1 refused, 2 unknown run/bad name."""
-    engine = _engine(settings, url)
-    try:
-        with engine.begin() as conn:
-            done = approve(conn, run_id, by=by, note=note)
-    except (ReviewInputError, ApprovalRefused) as exc:
-        return say_failure("parity approve", exc)
-    finally:
-        engine.dispose()
-    a = done.approval
-    for line in done.failing:
-        print(f"note: {line}")
-    if done.changed:
-        when = utc_time(a.approved_at, seconds=True)
-        print(f"approved parity run #{run_id} by {a.approved_by} at {when} UTC")
-    else:
-        print(
-            f"parity run #{run_id} was already approved by {a.approved_by} at "
-            f"{utc_time(a.approved_at, seconds=True)} UTC; nothing changed"
-        )
-    for line in done.notes:
-        print(f"note: {line}")
-    return Exit.OK
-
-
-def runs_cli(settings: Settings, url: str, *, limit: int, as_json: bool) -> int:
-    """`enrichq parity runs`: the recent runs with verdict, accepted rules and approvals."""
-    engine = _engine(settings, url)
-    try:
-        with engine.connect() as conn:
-            rows = list_runs(conn, limit)
-    finally:
-        engine.dispose()
-    if as_json:
-        for row in rows:
-            print(json.dumps(row.as_dict()))
-        return Exit.OK
-    _print_runs(rows)
-    return Exit.OK
-
-
-def show_cli(
-    settings: Settings,
-    url: str,
-    *,
-    run_id: int,
-    json_path: Path | None,
-    html_path: Path | None,
-) -> int:
-    """`enrichq parity show RUN`: a stored run's summary, and its reports with its approvals."""
-    from rich.console import Console
-
-    from enrichq_parity import report as render
-    from enrichq_parity.cli import print_summary, unwritable
-
-    for option, path in (("--json", json_path), ("--html", html_path)):
-        problem = unwritable(path)
-        if problem:
-            say(f"parity show: {option} {path}: {problem}")
-            return Exit.USAGE
-    engine = _engine(settings, url)
-    try:
-        with engine.connect() as conn:
-            report, approvals = load_report(conn, run_id)
-    except ReviewInputError as exc:
-        return say_failure("parity show", exc)
-    finally:
-        engine.dispose()
-    if json_path is not None:
-        json_path.write_text(render.to_json(report, approvals), encoding="utf-8")
-    if html_path is not None:
-        html_path.write_text(render.to_html(report, approvals), encoding="utf-8")
-    console = Console()
-    print_summary(console, report)
-    for a in approvals:
-        console.print(
-            f"approved by {a.approved_by} at {utc_time(a.approved_at, seconds=True)} UTC"
-            + (f": {a.note}" if a.note else ""),
-            highlight=False,
-            markup=False,
-        )
-    if not approvals:
-        console.print("not approved", highlight=False, markup=False)
-    for label, path in (("json", json_path), ("html", html_path)):
-        if path is not None:
-            console.print(f"{label}: {path}", highlight=False, markup=False)
-    return Exit.OK
-
-
-def _print_runs(rows: Sequence[RunRow]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=140)  # a pipe or a file: no terminal to fit
-    if not rows:
-        console.print("no parity runs recorded yet: run `enrichq parity`", highlight=False)
-        return
-    table = Table(box=None, pad_edge=False, header_style="bold")
-    for name, justify in (
-        ("run", "right"),
-        ("finished (UTC)", "left"),
-        ("window", "left"),
-        ("verdict", "left"),
-        ("coverage", "right"),
-        ("shadow faults", "right"),
-        ("legacy faults", "right"),
-        ("rules", "left"),
-        ("approved by", "left"),
-    ):
-        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]  # justify is one of rich's literals, typed str here
-    for r in rows:
-        rules = "—" if r.accept_rules == 0 else f"{r.accept_rules}"
-        if r.unused_rules:
-            rules += f" ({r.unused_rules} matched nothing)"
-        table.add_row(
-            f"#{r.id}",
-            utc_time(r.finished_at, seconds=True),
-            f"{r.window_since:%m-%d} → {r.window_until:%m-%d}",
-            _STATE_WORDS.get(r.state, r.state),
-            pct(r.order_coverage),
-            pct(r.shadow_fault_rate),
-            f"{r.accepted_legacy_faults:,}/{r.legacy_faults:,} accepted"
-            if r.legacy_faults
-            else "0",
-            rules,
-            ", ".join(a.approved_by for a in r.approvals) or "—",
-        )
-    console.print(table)
-
-
-_STATE_WORDS = {
-    "pass": "[green]pass[/]",
-    "review": "[green]pass[/], [yellow]legacy faults to accept[/]",
-    "fail": "[red]fail[/]",
-    "empty": "[red]nothing to judge[/]",
-    "error": "[red]error[/]",
-    "running": "running",
-    "old": "[dim]before verdicts by fault[/]",
-}

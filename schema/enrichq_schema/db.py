@@ -1,13 +1,12 @@
-"""Database access shared by every process: URLs, engines, the embedded fallback, migrations."""
+"""Database access shared by every process: URLs, engines, migrations."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -37,7 +36,6 @@ MIGRATE_RETRY_PAUSE_SECONDS = 1.0
 # SQLSTATE of a lock wait that ran out (lock_not_available).
 LOCK_NOT_AVAILABLE = "55P03"
 
-EMBEDDED_DATABASE = "enrichq"
 MIGRATIONS = Path(__file__).parent / "migrations"
 
 
@@ -191,36 +189,6 @@ def _execute_prepared(
         return False
     cursor.execute(statement, parameters, prepare=True)
     return True
-
-
-_embedded_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def database_url(configured: str | None) -> Iterator[str]:
-    """The configured URL, or an embedded PostgreSQL started for the life of the block."""
-    if configured:
-        yield normalize_url(configured).render_as_string(hide_password=False)
-        return
-    from enrichq_schema.postgres_supervisor import EmbeddedPostgres, default_data_dir, running_url
-
-    # another enrichq process (`serve`, the demo) runs it already: use that server, and leave
-    # it running when done
-    shared = running_url(default_data_dir())
-    if shared is not None:
-        url = ensure_database(shared, EMBEDDED_DATABASE)
-        log.info("using the embedded PostgreSQL another process runs, at %s", redact(url))
-        yield url
-        return
-    with _embedded_lock:
-        server = EmbeddedPostgres(default_data_dir())
-        admin_url = server.start()
-    try:
-        url = ensure_database(admin_url, EMBEDDED_DATABASE)
-        log.info("using the embedded PostgreSQL at %s", redact(url))
-        yield url
-    finally:
-        server.stop()
 
 
 def ensure_database(admin_url: str, name: str) -> str:

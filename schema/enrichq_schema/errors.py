@@ -6,6 +6,10 @@ from __future__ import annotations
 class EnrichqError(Exception):
     """Unexpected enrichq error."""
 
+
+class EmbeddedPostgresError(EnrichqError):
+    """The embedded PostgreSQL could not be started."""
+
     def __init__(self, message: str | None = None) -> None:
         super().__init__(message or (self.__doc__ or "").strip())
 
@@ -29,8 +33,6 @@ def constraint_name(exc: BaseException) -> str | None:
 def describe_database_error(exc: BaseException) -> str | None:
     """A one-line description of a database problem an operator can act on, else None."""
     import sqlalchemy.exc as sa_exc
-
-    from enrichq_schema.postgres_supervisor import EmbeddedPostgresError
 
     if isinstance(exc, EmbeddedPostgresError):
         return f"embedded PostgreSQL: {exc}"

@@ -8,14 +8,13 @@ import logging
 import os
 import signal
 import socket
-import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import IntEnum
 from types import FrameType
-from typing import Any, NoReturn
+from typing import Any
 
 from enrichq_schema.errors import EnrichqError
 
@@ -82,16 +81,3 @@ def load_callable(path: str) -> Callable[..., Any]:
     if not callable(target):
         raise PluginError(f"{path!r}: {module_name}.{attr} is not callable")
     return target  # type: ignore[no-any-return]  # getattr's result, checked callable above
-
-
-def say(message: str) -> None:
-    """Tell the operator one line on stderr, as every enrichq command does."""
-    from enrichq_schema.secrets import scrubbed
-
-    print(scrubbed(f"enrichq: {message}"), file=sys.stderr)
-
-
-def fail(message: str, code: int = Exit.USAGE) -> NoReturn:
-    """Say one line on stderr and exit with `code` (default: bad input)."""
-    say(message)
-    sys.exit(code)

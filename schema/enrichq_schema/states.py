@@ -113,6 +113,8 @@ NOTIFY_CHANNEL = "enrichq_queue"
 # know that the row's previous attempt lost its process (a suspect, see isolate.py).
 LEASE_EXPIRED_ERROR = "lease expired"
 KEY_MAX_LENGTH = 200
+# The longest tenant an operator names (--tenant, a pause's scope, an accept rule).
+TENANT_MAX_LENGTH = 200
 # A help-desk event id (the webhook's `id`, kept for redelivery dedupe) is bounded alike.
 EVENT_ID_MAX_LENGTH = 200
 

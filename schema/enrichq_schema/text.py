@@ -5,13 +5,9 @@ from __future__ import annotations
 
 import logging
 import unicodedata
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from _typeshed import DataclassInstance
-    from rich.table import Table
+from typing import Any
 
 # Refused in ticket ids, tenants and event ids: control characters (C0, DEL, C1: escapes,
 # newlines, NUL), format characters (zero-width and bidirectional marks, which make two
@@ -44,35 +40,6 @@ def printable(value: object) -> str:
         else:
             out.append(char)
     return "".join(out)
-
-
-def print_json_lines(records: Iterable[DataclassInstance]) -> None:
-    """Each record as one line of JSON (its fields; times and the like as text).
-    json.dumps escapes every control character, so the lines are safe to print."""
-    import json
-    from dataclasses import asdict
-
-    for record in records:
-        print(json.dumps(asdict(record), default=str))
-
-
-def shown(value: object) -> str:
-    """`value` as rich markup that shows its `printable` form and nothing else (no style)."""
-    from rich.markup import escape
-
-    return escape(printable(value))
-
-
-def newest_first(what: str, count: int, *, none: str) -> Table | None:
-    """An empty rich table for `count` rows of `what`, newest first; None (having printed
-    `none`) when there are no rows."""
-    from rich.console import Console
-    from rich.table import Table
-
-    if not count:
-        Console().print(none)
-        return None
-    return Table(title=f"{what} (newest first, {count} shown)")
 
 
 class EscapingFormatter(logging.Formatter):

@@ -23,9 +23,8 @@ from enrichq_service.errors import Deferral, PermanentError, ServiceError, Trans
 
 LABEL_APP = "enrichq"
 # a bound value as the dialect's compiler writes it (pyformat), and as BigQuery names it
-# (the dialect writes a scalar bind with its type, %(name:STRING)s: BigQuery takes the type
-# from the query parameter)
-PYFORMAT = re.compile(r"%\((\w+)(?::\w+)?\)s")
+# (pyformat, with the type where the compiler knows it: `%(name)s`, `%(name:STRING)s`)
+PYFORMAT = re.compile(r"%\((\w+)(?::[^)]*)?\)s")
 # a call to BigQuery when the attempt has no deadline (a direct call of the lookup)
 CALL_SECONDS_DEFAULT = 300.0
 # an abandoned job is cancelled; how long its lookup waits for it to end, to learn its bill
@@ -78,14 +77,14 @@ def client_of(conn: sa.Connection) -> Any:
 
 
 def compiled(
-    conn: sa.Connection, stmt: sa.TextClause, params: Mapping[str, Any]
+    dialect: sa.Dialect, stmt: sa.TextClause, params: Mapping[str, Any]
 ) -> tuple[str, list[Any]]:
     """`stmt` as BigQuery SQL with named parameters (@name), and those parameters: the
     dialect expands a list into one bound value each, as on every dialect."""
     from google.cloud import bigquery
 
     done = stmt.bindparams(**params).compile(
-        dialect=conn.dialect, compile_kwargs={"render_postcompile": True}
+        dialect=dialect, compile_kwargs={"render_postcompile": True}
     )
     sql = PYFORMAT.sub(lambda m: f"@{m.group(1)}", done.string)
     values: list[Any] = []
@@ -110,7 +109,7 @@ def run(
     from google.cloud import bigquery
 
     client = client_of(conn)
-    sql, values = compiled(conn, stmt, params)
+    sql, values = compiled(conn.dialect, stmt, params)
     if deadline is None:
         deadline = time.monotonic() + CALL_SECONDS_DEFAULT
     remaining = deadline - time.monotonic()
@@ -125,6 +124,7 @@ def run(
     job_id = f"enrichq_{uuid.uuid4().hex}"
     cancel = _Cancel(client, job_id)
     job = None
+    inserted = False
     try:
         with interruptible(cancel):
             job = client.query(
@@ -135,15 +135,20 @@ def run(
                 job_retry=None,
                 timeout=_left(deadline),
             )
+            inserted = True
             cancel.created()
             rows = list(job.result(retry=_retry(deadline), timeout=_left(deadline)))
     except Exception as exc:
+        if job is None:
+            # the insert failed, or only its answer was lost: a job made under our id runs
+            # and bills all the same, so it is looked for (and cancelled, and charged)
+            job = _made_anyway(client, job_id)
         if job is not None:
             cancel.created()
         billed = _billed_at_end(client, job, cancel) if job is not None else 0
         error = cancel.why() or mapped(exc, max_bytes=max_bytes)
         # a query refused before it ran (on insert) is not the data's doing
-        data = job is not None and _reason(exc) in DATA_REASONS
+        data = inserted and _reason(exc) in DATA_REASONS
         raise JobFailed(error, job_id if job is not None else None, billed, data=data) from exc
     return Ran(rows, job.job_id or job_id, int(job.total_bytes_billed or 0))
 
@@ -188,6 +193,14 @@ class _Cancel:
             if not self._wanted:
                 return None
         return TransientError("the lookup was abandoned: its BigQuery job was cancelled")
+
+
+def _made_anyway(client: Any, job_id: str) -> Any:
+    """The job of `job_id` if BigQuery made it after all, or None."""
+    try:
+        return client.get_job(job_id, retry=None, timeout=REQUEST_SECONDS)
+    except Exception:  # not found, or BigQuery unreachable: nothing known to charge
+        return None
 
 
 def _billed_at_end(client: Any, job: Any, cancel: _Cancel) -> int:

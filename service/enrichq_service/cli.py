@@ -10,14 +10,18 @@ from typing import Any, TypedDict, Unpack
 import click
 
 from enrichq_schema.errors import SettingsError
-from enrichq_schema.process import Exit, fail, say
+from enrichq_schema.process import Exit
 from enrichq_schema.states import AuditCommand, DeadReason, Kind, Reason
 from enrichq_service.commands import backfill as backfill_commands
 from enrichq_service.commands import controls as control_commands
+from enrichq_service.commands import cutover as cutover_commands
+from enrichq_service.commands import demo as demo_commands
 from enrichq_service.commands import migrate as migrate_commands
+from enrichq_service.commands import parity as parity_commands
 from enrichq_service.commands import queue as queue_commands
 from enrichq_service.commands.base import CommandError, Context
 from enrichq_service.commands.options import ROW_ID
+from enrichq_service.terminal import say
 
 # A file that `enrichq parity` writes (or, for --accept, reads).
 REPORT_FILE = click.Path(dir_okay=False, path_type=Path)
@@ -176,7 +180,7 @@ def stacked(options: Sequence[Decorator]) -> Decorator:
 
 
 def filter_options(reasons: list[str], reason_help: str, older_help: str) -> Decorator:
-    """The options every filtered action takes (enrichq_sweeper.filters reads them)."""
+    """The options every filtered action takes (enrichq_service.controls.filters reads them)."""
     options = [
         click.option("--id", "ids", type=ROW_ID, multiple=True, help="Row id (repeat)."),
         click.option("--key", "keys", multiple=True, help="Ticket id (repeat)."),
@@ -305,20 +309,6 @@ def audit(ctx: Context, limit: int, command: str | None, as_json: bool) -> int:
     return control_commands.audit(ctx, limit=limit, command=command, as_json=as_json)
 
 
-def _parse_day(value: str | None, name: str) -> Any:
-    if value is None:
-        return None
-    from datetime import UTC, date, datetime
-
-    try:
-        if len(value) == 10:
-            return datetime.combine(date.fromisoformat(value), datetime.min.time(), tzinfo=UTC)
-        parsed = datetime.fromisoformat(value)
-    except ValueError:
-        fail(f"{name}: {value!r} is not a date (YYYY-MM-DD) or ISO timestamp")
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
-
-
 @cli.group(invoke_without_command=True)
 @click.option(
     "--since",
@@ -344,34 +334,20 @@ def _parse_day(value: str | None, name: str) -> Any:
 @click.pass_context
 def parity(
     click_ctx: click.Context, /, *, since: str | None, until: str | None, **files: Path | None
-) -> None:
+) -> int:
     """Compare shadow output with legacy output (exit 1 below the bars); review the runs.
 
     Without a command, runs a comparison. The commands sign and list recorded runs.
     """
-    if click_ctx.invoked_subcommand is not None:
-        window = {"since": since, "until": until}
-        given = [f"--{name}" for name, value in window.items() if value is not None]
-        # the file options are named --X for their X_path
-        given += [f"--{name.removesuffix('_path')}" for name, p in files.items() if p is not None]
-        if given:
-            verb = "belongs" if len(given) == 1 else "belong"
-            fail(
-                f"parity {click_ctx.invoked_subcommand}: {', '.join(given)} {verb} to a "
-                "comparison (`enrichq parity`), not to this command"
-            )
-        return
-    since_at = _parse_day(since, "--since")
-    until_at = _parse_day(until, "--until")
-    if since_at and until_at and since_at >= until_at:
-        fail("--since must be before --until")
-    from enrichq_parity.cli import run_cli
-
     ctx = click_ctx.find_object(Context)
     assert ctx is not None  # the root command always sets it
-    settings = ctx.settings
-    with ctx.database() as url:
-        sys.exit(run_cli(settings, url, since=since_at, until=until_at, **files))
+    return parity_commands.compare(
+        ctx,
+        subcommand=click_ctx.invoked_subcommand,
+        since=since,
+        until=until,
+        **files,
+    )
 
 
 @parity.command("approve", short_help="Sign a reviewed run (cutover needs one).")
@@ -379,26 +355,18 @@ def parity(
 @click.option("--by", "by", required=True, help="Who approves: the reviewer's name.")
 @click.option("--note", default=None, help="What was checked, or why it is fine.")
 @pass_context
-def parity_approve(ctx: Context, run_id: int, by: str, note: str | None) -> None:
+def parity_approve(ctx: Context, run_id: int, by: str, note: str | None) -> int:
     """Sign parity run RUN_ID after reviewing its report (cutover needs a signed run)."""
-    from enrichq_parity.review import approve_cli
-
-    settings = ctx.settings
-    with ctx.database() as url:
-        sys.exit(approve_cli(settings, url, run_id=run_id, by=by, note=note))
+    return parity_commands.approve(ctx, run_id=run_id, by=by, note=note)
 
 
 @parity.command("runs", short_help="Recent runs: verdict, rules, approvals.")
 @click.option("--limit", type=click.IntRange(min=1, max=1000), default=20, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON lines.")
 @pass_context
-def parity_runs(ctx: Context, limit: int, as_json: bool) -> None:
+def parity_runs(ctx: Context, limit: int, as_json: bool) -> int:
     """Recent parity runs, newest first: verdict, accepted rules, approvals."""
-    from enrichq_parity.review import runs_cli
-
-    settings = ctx.settings
-    with ctx.database() as url:
-        sys.exit(runs_cli(settings, url, limit=limit, as_json=as_json))
+    return parity_commands.runs(ctx, limit=limit, as_json=as_json)
 
 
 @parity.command("show", short_help="A recorded run's summary and reports, again.")
@@ -406,13 +374,9 @@ def parity_runs(ctx: Context, limit: int, as_json: bool) -> None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path))
 @pass_context
-def parity_show(ctx: Context, run_id: int, json_path: Path | None, html_path: Path | None) -> None:
+def parity_show(ctx: Context, run_id: int, json_path: Path | None, html_path: Path | None) -> int:
     """A recorded run's summary; its reports again, with the approvals it has now."""
-    from enrichq_parity.review import show_cli
-
-    settings = ctx.settings
-    with ctx.database() as url:
-        sys.exit(show_cli(settings, url, run_id=run_id, json_path=json_path, html_path=html_path))
+    return parity_commands.show(ctx, run_id=run_id, json_path=json_path, html_path=html_path)
 
 
 @cli.command()
@@ -454,33 +418,20 @@ def cutover(
     as_json: bool,
     actor: str | None,
     wait_seconds: float,
-) -> None:
+) -> int:
     """Point consumers at the shadow table, after a passing, fresh and approved parity run
     that every tenant moved passes on its own, once no ticket consumers can read is still
     never enriched (`enrichq backfill`)."""
-    if show_status and (rollback or tenants or exclude or actor is not None):
-        fail("cutover: --status only shows the state; it takes no --rollback, --tenant or --actor")
-    if exclude and (tenants or rollback):
-        fail("cutover: --exclude-tenant goes with a whole cutover, not --tenant or --rollback")
-    if as_json and not show_status:
-        fail("cutover: --json goes with --status")
-    from enrichq_parity.cutover import run_cli
-
-    settings = ctx.settings
-    with ctx.database() as url:
-        sys.exit(
-            run_cli(
-                settings,
-                url,
-                rollback=rollback,
-                actor=actor,
-                tenants=tenants,
-                exclude=exclude,
-                show_status=show_status,
-                as_json=as_json,
-                wait_seconds=wait_seconds,
-            )
-        )
+    return cutover_commands.cutover(
+        ctx,
+        rollback=rollback,
+        tenants=tenants,
+        exclude=exclude,
+        show_status=show_status,
+        as_json=as_json,
+        actor=actor,
+        wait_seconds=wait_seconds,
+    )
 
 
 @cli.command()
@@ -523,13 +474,9 @@ def backfill(
 )
 @click.option("--tickets", type=click.IntRange(min=10, max=100_000), default=600)
 @pass_context
-def demo(ctx: Context, keep_running: bool, tickets: int) -> None:
+def demo(ctx: Context, keep_running: bool, tickets: int) -> int:
     """Seed a help desk, warehouse and legacy output, run enrichq in shadow, report parity."""
-    from enrichq_service.demo import run_demo
-
-    settings = ctx.settings
-    with ctx.database() as url:
-        sys.exit(run_demo(settings, url, keep_running=keep_running, tickets=tickets))
+    return demo_commands.demo(ctx, keep_running=keep_running, tickets=tickets)
 
 
 def _run(entry: click.Command, args: list[str] | None) -> int:

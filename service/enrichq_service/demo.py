@@ -323,9 +323,12 @@ def _classes(counts: Mapping[str, int]) -> str:
 def _review(demo: Settings, demo_url: str, console: Any, expected: Mapping[str, int]) -> _Review:
     """The review path of docs/cutover.md: parity, an accept file, parity again, approve,
     cut one tenant over, status; each step through the command it documents."""
-    from enrichq_parity import cutover, review
     from enrichq_parity import report as render
-    from enrichq_parity.cli import run_cli as run_parity
+    from enrichq_parity import review
+    from enrichq_service.commands import cutover, parity
+    from enrichq_service.commands.base import Context
+
+    ctx = Context.given(demo, demo_url)
 
     def latest() -> review.RunRow:
         engine = create_engine(demo_url, pool_size=1)
@@ -339,8 +342,8 @@ def _review(demo: Settings, demo_url: str, console: Any, expected: Mapping[str, 
     since = now - timedelta(days=PARITY_WINDOW_DAYS)
     first_html = REPORT_DIR / "parity-first.html"
     console.rule("parity, before review")
-    run_parity(
-        demo, demo_url, since=since, until=now, json_path=REPORT_DIR / "parity-first.json",
+    parity.run(
+        ctx, since=since, until=now, json_path=REPORT_DIR / "parity-first.json",
         html_path=first_html,
     )  # fmt: skip
     first = latest()
@@ -356,18 +359,18 @@ def _review(demo: Settings, demo_url: str, console: Any, expected: Mapping[str, 
     )
     console.rule(f"parity again, with {accept_file}")
     html, report_json = REPORT_DIR / "parity.html", REPORT_DIR / "parity.json"
-    run_parity(
-        demo, demo_url, since=since, until=now, json_path=report_json, html_path=None,
+    parity.run(
+        ctx, since=since, until=now, json_path=report_json, html_path=None,
         csv_path=REPORT_DIR / "mismatches.csv", accept_path=accept_file,
     )  # fmt: skip
     second = latest()
     console.rule("sign-off and a staged cutover")
-    review.approve_cli(
-        demo, demo_url, run_id=second.id, by=DEMO_REVIEWER,
+    parity.approve(
+        ctx, run_id=second.id, by=DEMO_REVIEWER,
         note="read the fault groups; every legacy fault is covered by a rule",
     )  # fmt: skip
-    cutover.run_cli(demo, demo_url, rollback=False, actor=DEMO_REVIEWER, tenants=[DEMO_TENANT])
-    cutover.run_cli(demo, demo_url, rollback=False, actor=None, show_status=True)
+    cutover.run(ctx, rollback=False, actor=DEMO_REVIEWER, tenants=[DEMO_TENANT])
+    cutover.run(ctx, rollback=False, actor=None, show_status=True)
     # the report of the signed run, with its approval on it (what `parity show` writes)
     engine = create_engine(demo_url, pool_size=1)
     try:

@@ -443,9 +443,9 @@ def warehouse_lookup_batch(
     cancelled alike. A row the query returns with a bad value (a NULL order id, say) fails
     its ticket alone, in `validate`. A value the warehouse itself cannot read (a total that
     does not convert to a number) fails the whole query and names no ticket: the batch is
-    split in halves, and halves again (at most `SPLIT_DEPTH_MAX` times), until the tickets
-    whose rows fail are alone; the others complete. Every query that ran is charged, a
-    failed one shared among its tickets.
+    split in halves, and halves again (at most `SPLIT_DEPTH_MAX` times, `SPLIT_QUERIES_MAX`
+    more queries), until the tickets whose rows fail are alone; the others complete. Every
+    query that ran is charged, a failed one shared among its tickets.
     """
     lookup = _BatchLookup(context)
     lookup.run(list(tickets), depth=0)
@@ -463,6 +463,11 @@ def warehouse_lookup_batch(
 # A batch whose query fails on its data is split in halves at most this often: enough to
 # isolate single tickets in the largest batch (ENRICHQ_LOOKUP_BATCH_SIZE is at most 1000).
 SPLIT_DEPTH_MAX = 10
+# ... and runs at most this many more queries for it: one culprit in the largest batch
+# takes 2 per level (20), two take up to 40; data that fails every query whatever it asks
+# (a view that cannot be read at all) costs no more than this before the rest fail
+# together. On BigQuery each is a billed job (10 MB at least).
+SPLIT_QUERIES_MAX = 64
 
 
 class _BatchLookup:
@@ -473,6 +478,7 @@ class _BatchLookup:
         self.context = context
         self.outcomes: dict[str, tuple[Order, ...] | BaseException] = {}
         self.charges: dict[str, tuple[str | None, int]] = {}
+        self.split_queries_left = SPLIT_QUERIES_MAX
 
     def _charge(self, group: Sequence[Ticket], job_id: str | None, billed: int) -> None:
         for ticket, share in zip(group, split_bytes(billed, len(group)), strict=True):
@@ -498,8 +504,10 @@ class _BatchLookup:
                     failed.data
                     and len(group) > 1
                     and depth < SPLIT_DEPTH_MAX
+                    and self.split_queries_left >= 2
                     and not self.context.cancelled.is_set()
                 ):
+                    self.split_queries_left -= 2
                     half = len(group) // 2
                     self.run(group[:half], depth=depth + 1)
                     self.run(group[half:], depth=depth + 1)

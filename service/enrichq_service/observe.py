@@ -21,7 +21,7 @@ from enrichq_schema.errors import SettingsError
 from enrichq_schema.metrics import metrics_port_problem
 from enrichq_schema.queries import load
 from enrichq_schema.states import DeadReason, Kind, State
-from enrichq_sweeper import pauses as pause_controls
+from enrichq_service.controls import pauses as pause_controls
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import sqlalchemy as sa
 
 from enrichq_schema.queries import load
 from enrichq_schema.states import State
-from enrichq_sweeper import pauses as pause_controls
+from enrichq_service.controls import pauses as pause_controls
 
 SQL = load("enrichq_service", "sql/observe.sql")
 

@@ -13,13 +13,5 @@ class HookError(SweeperError):
     """The gave-up hook cannot be loaded."""
 
 
-class FilterError(SweeperError):
-    """Bad selection of queue rows."""
-
-
-class DlqInputError(FilterError):
-    """Bad dead-letter selection."""
-
-
 class BackfillInputError(SweeperError):
     """The backfill cannot run on this input."""

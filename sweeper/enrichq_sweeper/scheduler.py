@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from enrichq_schema import metrics
 from enrichq_schema.db import await_schema, redact
 from enrichq_schema.metrics import metrics_port_problem
-from enrichq_schema.process import Exit, process_id, say, stop_on_signals
+from enrichq_schema.process import Exit, process_id, stop_on_signals
 from enrichq_schema.settings import Settings
 from enrichq_sweeper import passes
 from enrichq_sweeper.errors import HookError
@@ -139,10 +139,12 @@ def run_sweeper(
     url: str,
     *,
     once: bool,
+    tell: Callable[[str], None],
     scheduled_parity: ScheduledTask | None = None,
     wait_for_schema: bool = True,
 ) -> int:
     """Run the sweeper until SIGTERM/SIGINT (or each task once with `once`); the exit code.
+    `tell` says one line to the operator (a refused setting, a failed pass).
 
     With ENRICHQ_PARITY_INTERVAL_HOURS set, the leader also runs `scheduled_parity`."""
     from enrichq_schema.connections import engine_from_settings, preflight
@@ -150,7 +152,7 @@ def run_sweeper(
     try:
         hook = load_hook(settings.gave_up_hook)
     except HookError as exc:
-        say(f"invalid setting ENRICHQ_GAVE_UP_HOOK: {exc}")
+        tell(f"invalid setting ENRICHQ_GAVE_UP_HOOK: {exc}")
         return Exit.USAGE
     # a pool mode the URL contradicts, or no mirror table (refresh and reconcile read it):
     # exit 2, before anything else
@@ -164,7 +166,7 @@ def run_sweeper(
         statement_timeout_seconds=settings.statement_timeout_seconds,
     )
     lock = leadership(settings, url, owner=owner, check_seconds=check_seconds(settings))
-    sweeper = _Sweeper(engine, settings, url, hook, owner, lock, scheduled_parity)
+    sweeper = _Sweeper(engine, settings, url, hook, owner, lock, tell, scheduled_parity)
     try:
         _quiet_apscheduler(settings)
         with stop_on_signals(sweeper.stop):
@@ -180,7 +182,7 @@ def run_sweeper(
                 try:
                     start_http_server(settings.metrics_port)
                 except OSError as exc:
-                    say(metrics_port_problem(settings.metrics_port, exc))
+                    tell(metrics_port_problem(settings.metrics_port, exc))
                     return Exit.USAGE
             return sweeper.lead_or_follow()
     finally:
@@ -199,6 +201,7 @@ class _Sweeper:
     hook: GaveUpHook
     owner: str
     lock: Leadership
+    tell: Callable[[str], None]
     scheduled_parity: ScheduledTask | None = None
     stop: threading.Event = field(default_factory=threading.Event)
 
@@ -258,10 +261,10 @@ class _Sweeper:
             self.lock.release()
             metrics.sweeper_is_leader.set(0)
         if lost.is_set():
-            say("sweep --once: the leadership was lost during the pass; stopped early")
+            self.tell("sweep --once: the leadership was lost during the pass; stopped early")
             return Exit.FAILED
         if failed:
-            say(f"sweep --once: {', '.join(failed)} failed (see the log)")
+            self.tell(f"sweep --once: {', '.join(failed)} failed (see the log)")
             return Exit.FAILED
         log.info("sweep --once done: every task ran")
         return Exit.OK

@@ -508,7 +508,7 @@ def database(d: Draw, databases: Databases) -> Iterator[tuple[str, Any]]:
             databases.drop(url)
         return
     from enrichq_schema.db import ensure_database, migrate
-    from enrichq_schema.postgres_supervisor import EmbeddedPostgres
+    from enrichq_service.embedded_postgres import EmbeddedPostgres
 
     base = Path(tempfile.mkdtemp(prefix="enrichq-fuzz-pg-", dir="/tmp"))
     base.chmod(0o711)

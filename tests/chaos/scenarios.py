@@ -494,7 +494,7 @@ def db_restart(db_url: str, logs: Path, tickets: int, rng: random.Random) -> Out
     import tempfile
 
     from enrichq_schema.db import ensure_database, migrate
-    from enrichq_schema.postgres_supervisor import EmbeddedPostgres
+    from enrichq_service.embedded_postgres import EmbeddedPostgres
 
     base = Path(tempfile.mkdtemp(prefix="enrichq-chaos-pg-", dir="/tmp"))
     base.chmod(0o711)

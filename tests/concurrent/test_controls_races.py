@@ -23,9 +23,9 @@ from tests.support.threads import run_together
 
 from enrichq_schema.states import AuditCommand
 from enrichq_service import queue
+from enrichq_service.controls import actions as controls
+from enrichq_service.controls.filters import Filter, Scope
 from enrichq_service.queue import EnqueueRequest, EnqueueResult, Job
-from enrichq_sweeper import controls
-from enrichq_sweeper.filters import Filter, Scope
 
 T = TypeVar("T")
 OWNER = "w-race"

@@ -26,10 +26,10 @@ from enrichq_schema.tables import queue
 from enrichq_service import queue as q
 from enrichq_service.commands import controls as control_commands
 from enrichq_service.commands.base import CommandError, Context
+from enrichq_service.controls import actions as controls
+from enrichq_service.controls.errors import FilterError
+from enrichq_service.controls.filters import Filter, Scope
 from enrichq_service.queue import EnqueueRequest, Job
-from enrichq_sweeper import controls
-from enrichq_sweeper.errors import FilterError
-from enrichq_sweeper.filters import Filter, Scope
 
 T0 = datetime(2026, 1, 5, 12, 0, tzinfo=UTC)
 OWNER = "w-1"

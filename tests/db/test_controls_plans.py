@@ -30,8 +30,10 @@ from tests.support.plans import SCAN_TYPES, explain, scans_of, walk, work
 
 from enrichq_schema.db import create_engine
 from enrichq_schema.states import NOTIFY_CHANNEL, DeadReason
-from enrichq_sweeper import controls, counts, dlq
-from enrichq_sweeper.filters import Filter, Scope
+from enrichq_service.controls import actions as controls
+from enrichq_service.controls import dlq
+from enrichq_service.controls.filters import Filter, Scope
+from enrichq_sweeper import counts
 
 TERMINAL_ROWS = 200_000
 NEWER_DONE_ROWS = 100_000
@@ -218,12 +220,12 @@ def test_a_page_of_a_selection_reads_about_a_page_however_many_match(
 def test_dlq_list_reads_a_page_of_dead_letters_not_the_history(engine: sa.Engine) -> None:
     """The newest dead letters are older than 100,000 done rows: walking ids down from the
     newest reads them all before the first dead letter."""
-    from enrichq_sweeper.common import sql as sweeper_sql
+    from enrichq_service.controls.actions import sql as controls_sql
 
     limit = 50
     read = rows_read(
         engine,
-        sweeper_sql()["dlq_list"].sql,
+        controls_sql()["dlq_list"].sql,
         {"limit": limit, "reasons": [r.value for r in DeadReason]},
     )
     assert read <= 5 * limit, f"{read} rows read to list {limit} dead letters"

@@ -596,7 +596,7 @@ def test_cli_cutover_status_rollback(
 @pytest.mark.parametrize(
     ("args", "said"),
     [
-        (["cutover", "--actor", "  "], "enrichq: cutover: --actor must be 1 to 200"),
+        (["cutover", "--actor", "  "], "enrichq: cutover: actor: must be 1 to 200 characters;"),
         (["cutover", "--tenant", "ac\x07me"], "enrichq: cutover: --tenant 'ac\\x07me': expected"),
         (["cutover", "--tenant", "x" * 201], "enrichq: cutover: --tenant 'xxx"),
     ],

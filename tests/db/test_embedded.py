@@ -17,8 +17,8 @@ import pytest
 import sqlalchemy as sa
 from tests.support.procs import wait_for
 
-from enrichq_schema import postgres_supervisor as embedded
-from enrichq_schema.postgres_supervisor import (
+from enrichq_service import embedded_postgres as embedded
+from enrichq_service.embedded_postgres import (
     EmbeddedPostgres,
     EmbeddedPostgresError,
     default_data_dir,
@@ -32,7 +32,7 @@ DEADLINE = 20.0
 CHILD = """
 import sys, time
 from pathlib import Path
-from enrichq_schema.postgres_supervisor import EmbeddedPostgres
+from enrichq_service.embedded_postgres import EmbeddedPostgres
 
 base = Path(sys.argv[1])
 EmbeddedPostgres(base).start()
@@ -238,7 +238,7 @@ def test_a_second_command_uses_the_embedded_server_another_runs(
     """`enrichq status` while `enrichq serve` runs on the embedded default: the second
     command connects to the running server (and leaves it running) instead of waiting for
     its data directory and failing."""
-    from enrichq_schema.db import database_url
+    from enrichq_service.embedded_postgres import database_url
 
     monkeypatch.setenv("ENRICHQ_EMBEDDED_DIR", str(base_dir))
     with EmbeddedPostgres(base_dir) as first:

@@ -14,11 +14,11 @@ from enrichq_schema import audit
 from enrichq_schema.states import AuditCommand
 from enrichq_service import queue
 from enrichq_service.cli import main
+from enrichq_service.controls import pauses
+from enrichq_service.controls.pauses import PauseScope
 from enrichq_service.observe import families, read_snapshot
 from enrichq_service.queue import EnqueueRequest
 from enrichq_service.status import collect
-from enrichq_sweeper import pauses
-from enrichq_sweeper.pauses import PauseScope
 
 T0 = datetime(2026, 1, 5, 12, 0, tzinfo=UTC)
 

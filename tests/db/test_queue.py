@@ -15,9 +15,9 @@ from enrichq_schema.settings import Settings
 from enrichq_schema.states import Outcome, Plan
 from enrichq_schema.tables import LEASED_KEY_INDEX
 from enrichq_service import queue
+from enrichq_service.controls import actions as controls
+from enrichq_service.controls.filters import Filter, Scope
 from enrichq_service.queue import EnqueueRequest, Job
-from enrichq_sweeper import controls
-from enrichq_sweeper.filters import Filter, Scope
 
 T0 = datetime(2026, 1, 5, 12, 0, tzinfo=UTC)
 LEASE = 60.0
@@ -602,8 +602,9 @@ def test_refresh_work_is_its_tickets_tenants_so_pause_and_cancel_see_it(
     """The refresh schedule enqueues a stale ticket of acme with acme as its tenant (and
     acme's plan): with acme paused the claim leaves it alone, and `cancel --tenant acme
     --dry-run` selects it; an ownerless ticket's refresh stays ownerless."""
+    from enrichq_service.controls import pauses
     from enrichq_service.seed import SQL as SEED_SQL
-    from enrichq_sweeper import pauses, refresh
+    from enrichq_sweeper import refresh
 
     conn.execute(SEED_SQL("seed_create_helpdesk"))
     conn.execute(

@@ -18,8 +18,9 @@ from enrichq_schema.errors import SettingsError
 from enrichq_schema.settings import Settings
 from enrichq_schema.tables import queue, runs, tenants, ticket_enrichments
 from enrichq_service import queue as queue_ops
-from enrichq_sweeper import passes, pauses, reconcile
-from enrichq_sweeper.pauses import PauseScope
+from enrichq_service.controls import pauses
+from enrichq_service.controls.pauses import PauseScope
+from enrichq_sweeper import passes, reconcile
 from enrichq_sweeper.scheduler import _Tasks
 
 T0 = datetime(2026, 1, 5, 12, 0, tzinfo=UTC)

@@ -20,10 +20,11 @@ from enrichq_schema.states import AuditCommand
 from enrichq_schema.tables import queue
 from enrichq_service.commands import controls as control_commands
 from enrichq_service.commands.base import CommandError, Context
-from enrichq_sweeper import controls, dlq
-from enrichq_sweeper.common import sql as sweeper_sql
-from enrichq_sweeper.errors import DlqInputError, FilterError
-from enrichq_sweeper.filters import Filter, Scope
+from enrichq_service.controls import actions as controls
+from enrichq_service.controls import dlq
+from enrichq_service.controls.actions import sql as controls_sql
+from enrichq_service.controls.errors import DlqInputError, FilterError
+from enrichq_service.controls.filters import Filter, Scope
 
 T0 = datetime(2026, 1, 5, 12, 0, tzinfo=UTC)
 
@@ -375,7 +376,7 @@ def test_listing_by_reason_uses_the_dead_letter_index(conn: sa.Connection) -> No
     dead(conn, "T-1")
     conn.execute(sa.text("SET LOCAL enable_seqscan = off"))
     plan = conn.execute(
-        sa.text("EXPLAIN (FORMAT JSON) " + sweeper_sql()["dlq_list_by_reason"].sql),
+        sa.text("EXPLAIN (FORMAT JSON) " + controls_sql()["dlq_list_by_reason"].sql),
         {"reason": "superseded", "limit": 10},
     ).scalar_one()
     assert "queue_dead_reason_idx" in json.dumps(plan)

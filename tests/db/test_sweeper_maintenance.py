@@ -16,6 +16,7 @@ from tests.support.settings import make_settings
 from enrichq_schema.db import create_engine
 from enrichq_schema.errors import SettingsError
 from enrichq_schema.tables import lookup_log, queue, runs, tenant_served, ticket_enrichments
+from enrichq_service.terminal import say
 from enrichq_sweeper import passes, refresh, retention
 from enrichq_sweeper.leader import SWEEPER_LOCK_ID
 from enrichq_sweeper.scheduler import run_sweeper
@@ -427,7 +428,7 @@ def test_sweep_once_runs_every_task_once_and_exits_zero(
             )
         )  # fmt: skip
     settings = make_settings(db_url, metrics_port=0)
-    assert run_sweeper(settings, db_url, once=True) == 0
+    assert run_sweeper(settings, db_url, once=True, tell=say) == 0
     with with_tickets.connect() as conn:
         tasks = conn.execute(sa.text("SELECT counts->>'task', stop_reason FROM enrichq.runs")).all()
         state = conn.execute(sa.select(queue.c.state)).scalar_one()
@@ -450,10 +451,10 @@ def test_the_leader_runs_the_parity_task_its_caller_hands_it(
     calls: list[str] = []
     settings = make_settings(db_url, metrics_port=0, parity_interval_hours=24)
     ran = run_sweeper(
-        settings, db_url, once=True, scheduled_parity=lambda s, url: calls.append(url)
+        settings, db_url, once=True, tell=say, scheduled_parity=lambda s, url: calls.append(url)
     )
     assert (ran, calls) == (0, [db_url])
-    assert run_sweeper(settings, db_url, once=True) == 1
+    assert run_sweeper(settings, db_url, once=True, tell=say) == 1
 
 
 def test_sweep_once_exits_one_when_a_task_fails(
@@ -463,7 +464,7 @@ def test_sweep_once_exits_one_when_a_task_fails(
     with with_tickets.begin() as conn:  # the mirror goes after start-up checked it
         conn.execute(sa.text("ALTER TABLE helpdesk.tickets RENAME TO gone"))
         conn.execute(sa.text("CREATE VIEW helpdesk.tickets AS SELECT 1 AS id"))
-    assert run_sweeper(settings, db_url, once=True) == 1
+    assert run_sweeper(settings, db_url, once=True, tell=say) == 1
     assert "refresh, reconcile failed" in capsys.readouterr().err
 
 
@@ -477,7 +478,7 @@ def test_sweep_once_does_nothing_while_another_sweeper_leads(
             assert held.execute(
                 sa.text("SELECT pg_try_advisory_lock(:id)"), {"id": SWEEPER_LOCK_ID}
             ).scalar_one()
-            assert run_sweeper(settings, db_url, once=True) == 0
+            assert run_sweeper(settings, db_url, once=True, tell=say) == 0
             with with_tickets.connect() as conn:
                 assert conn.execute(sa.select(sa.func.count()).select_from(runs)).scalar() == 0
             held.execute(sa.text("SELECT pg_advisory_unlock(:id)"), {"id": SWEEPER_LOCK_ID})
@@ -488,7 +489,7 @@ def test_sweep_once_does_nothing_while_another_sweeper_leads(
 
 def test_sweep_refuses_a_bad_gave_up_hook(db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     settings = make_settings(db_url, gave_up_hook="no_such_package.hooks:compensate")
-    assert run_sweeper(settings, db_url, once=True) == 2
+    assert run_sweeper(settings, db_url, once=True, tell=say) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("enrichq: invalid setting ENRICHQ_GAVE_UP_HOOK")
     assert "\n" not in err
@@ -513,4 +514,4 @@ def test_sweep_told_not_to_wait_refuses_an_unmigrated_database(unmigrated_url: s
     tests/e2e/test_before_migrate.py's.)"""
     settings = make_settings(unmigrated_url, metrics_port=0)
     with pytest.raises(SettingsError, match=r"revision none, not \d+ \(run `enrichq migrate`\)"):
-        run_sweeper(settings, unmigrated_url, once=True, wait_for_schema=False)
+        run_sweeper(settings, unmigrated_url, once=True, tell=say, wait_for_schema=False)

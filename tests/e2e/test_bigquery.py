@@ -267,6 +267,7 @@ def run_worker(env: dict[str, str], timeout: float = 120) -> subprocess.Complete
         ("not_a_key", "BigQuery credentials are missing or unusable"),
         ("no_table", "ENRICHQ_ORDERS_TABLE="),
         ("no_column", "has no column total"),
+        ("access_denied", "access denied"),
     ],
 )
 def test_a_worker_refuses_to_start_without_usable_credentials_or_tables(
@@ -274,6 +275,7 @@ def test_a_worker_refuses_to_start_without_usable_credentials_or_tables(
     db_url: str,
     db_engine: sa.Engine,
     warehouse: sa.Engine,
+    layer: FaultLayer,
     bq_env: dict[str, str],
     tmp_path: Path,
     problem: str,
@@ -297,6 +299,8 @@ def test_a_worker_refuses_to_start_without_usable_credentials_or_tables(
         env.update(
             HOME=str(tmp_path), GCE_METADATA_HOST="127.0.0.1:9", GCE_METADATA_IP="127.0.0.1:9"
         )
+    elif problem == "access_denied":
+        layer.faults.append(Fault("GET", r"/tables/", 403, "accessDenied", times=None))
     elif problem == "not_a_key":
         (tmp_path / "key.json").write_text(json.dumps({"type": "service_account"}))
         env["GOOGLE_APPLICATION_CREDENTIALS"] = str(tmp_path / "key.json")
@@ -409,3 +413,23 @@ def test_worker_drain_stops_in_bounded_time_while_a_bigquery_call_hangs(
     )
     # handed back for a later attempt (the sweeper dead-letters it: attempts spent)
     assert (state, attempts) == ("queued", 1)
+
+
+def test_a_job_whose_insert_answer_was_lost_is_found_and_charged(
+    db_engine: sa.Engine, warehouse: sa.Engine, layer: FaultLayer
+) -> None:
+    """The insert reached BigQuery, its answer did not: the job ran under the id enrichq
+    gave it, so it is looked up, and what it billed is charged."""
+    ticket, dataset = one_ticket(db_engine, warehouse)
+    settings = bq_settings(str(db_engine.url), dataset)
+    with db_engine.connect() as conn:
+        tickets = list(read_tickets(conn, settings, [ticket]).values())
+    layer.faults.append(Fault("POST", r"/jobs(\?|$)", 503, "backendError", forward=True))
+    before = len(layer.requests)
+    found = warehouse_lookup_batch(tickets, EnrichContext(settings, warehouse))[ticket]
+    assert isinstance(found, TransientError)
+    [job] = layer.query_jobs(before)
+    job_id = job["jobReference"]["jobId"]
+    assert (
+        charge_of(found, ticket) == (job_id, 2 * MIN_BYTES_BILLED) == (job_id, layer.billed[job_id])
+    )

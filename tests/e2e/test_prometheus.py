@@ -24,7 +24,7 @@ from tests.support.procs import REPO, enrichq_env, spawn, stop, wait_for
 from tests.support.web import answers, event, free_port, post_event
 from tests.support.world import seeded
 
-from enrichq_sweeper import pauses
+from enrichq_service.controls import pauses
 
 pytestmark = pytest.mark.slow
 

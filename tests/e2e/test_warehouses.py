@@ -22,6 +22,7 @@ from enrichq_schema.db import create_warehouse_engine
 from enrichq_schema.settings import Settings
 from enrichq_service import seed
 from enrichq_service.enrich import (
+    SPLIT_QUERIES_MAX,
     EnrichContext,
     Enrichment,
     Ticket,
@@ -420,8 +421,15 @@ def test_a_value_the_warehouse_cannot_read_fails_only_its_tickets(
         state, error = states[ticket]
         assert state == "failed", (ticket, error)
         assert "the warehouse could not read the orders" in error
-    good = sorted(set(states) - set(failing))
-    assert len(good) > 50  # innocent tickets shared batches with the culprits
+    good = sorted(k for k, (s, _) in states.items() if s != "failed")
+    if engine_name == "postgresql":
+        # the cast runs on the rows the join keeps: exactly the bad row's tickets fail
+        assert good == sorted(set(states) - set(failing))
+    else:
+        # DuckDB casts the view's totals before its join for some sets of requesters (its
+        # plan's choice), so some queries fail that do not need the bad row, and tickets
+        # beside them may fail with them once the split's queries are spent; most complete
+        assert len(good) > len(states) / 2
     assert {states[k][0] for k in good} == {"done"}
     got: dict[str, list[tuple[Any, ...]]] = {k: [] for k in good}
     for r in q(
@@ -431,4 +439,50 @@ def test_a_value_the_warehouse_cannot_read_fails_only_its_tickets(
         got[r[0]].append(r[1:])
     assert {k: normalized(v) for k, v in got.items()} == expected(db_engine, good)
     # one attempt each: found in the same attempt, not by retrying
+    assert q(db_engine, "SELECT DISTINCT attempts FROM enrichq.queue") == [(1,)]
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
+def test_a_view_no_query_can_read_costs_a_bounded_number_of_queries(
+    db_url: str, db_engine: sa.Engine, warehouses: dict[str, str], engine_name: str
+) -> None:
+    """Every query fails, whatever it asks: the split stops after SPLIT_QUERIES_MAX more
+    queries per batch, and every ticket fails, in its first attempt."""
+    warehouse = create_warehouse_engine(warehouses[engine_name], pool_size=2)
+    queries: list[str] = []
+
+    def count(*args: Any) -> None:
+        if "AS asked" in args[2]:
+            queries.append(args[2])
+
+    try:
+        with warehouse.begin() as conn:
+            conn.execute(
+                sa.text(
+                    "CREATE VIEW warehouse.orders_broken AS SELECT order_id, customer_id,"
+                    " placed_at, CAST(order_id AS DECIMAL(18, 2)) AS total FROM warehouse.orders"
+                )
+            )
+        sa.event.listen(warehouse, "before_cursor_execute", count)
+        settings = make_settings(
+            db_url,
+            warehouse_url=warehouses[engine_name],
+            orders_table="warehouse.orders_broken",
+            concurrency=1,
+            lookup_batch_size=50,
+        )
+        Worker(settings, db_engine, warehouse=warehouse).run(drain=True)
+    finally:
+        warehouse.dispose()
+    batches = 2  # 82 tickets, 50 a batch
+    assert batches < len(queries) <= batches * (1 + SPLIT_QUERIES_MAX)
+    with_orders = {
+        k
+        for k, *_ in q(
+            db_engine,
+            EXPECTED_ORDERS.format(customers="warehouse.customers", orders="warehouse.orders"),
+        )
+    }
+    states = dict(q(db_engine, "SELECT key, state FROM enrichq.queue"))
+    assert {states[k] for k in with_orders} == {"failed"}
     assert q(db_engine, "SELECT DISTINCT attempts FROM enrichq.queue") == [(1,)]

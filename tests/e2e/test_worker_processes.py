@@ -169,7 +169,7 @@ def test_time_budget_stops_claiming(db_url: str, db_engine: sa.Engine, tmp_path:
 @pytest.fixture
 def own_server() -> Iterator[tuple[Any, str]]:
     """An embedded PostgreSQL this test may restart without disturbing any other test."""
-    from enrichq_schema.postgres_supervisor import EmbeddedPostgres
+    from enrichq_service.embedded_postgres import EmbeddedPostgres
 
     base = Path(tempfile.mkdtemp(prefix="enrichq-restart-", dir="/tmp"))
     base.chmod(0o711)

@@ -211,13 +211,15 @@ class Request:
 @dataclass
 class Fault:
     """Answer requests matching `method` and `path` (a regex) with BigQuery's error
-    `reason` and HTTP `status`, `times` times (None: every time)."""
+    `reason` and HTTP `status`, `times` times (None: every time); `forward`: the request
+    reaches the emulator all the same, only its answer is lost."""
 
     method: str
     path: str
     status: int
     reason: str
     times: int | None = 1
+    forward: bool = False
 
 
 @dataclass
@@ -299,6 +301,9 @@ class FaultLayer:
             self._release.wait()
             return
         if fault is not None:
+            if fault.forward:
+                self._forward(h.command, h.path, raw, h.headers)
+                self._remember(h.command, path, body)
             error = {"code": fault.status, "message": f"injected {fault.reason}"}
             error["errors"] = [{"reason": fault.reason, "message": f"injected {fault.reason}"}]
             self._reply(h, fault.status, {"error": error})
@@ -309,7 +314,15 @@ class FaultLayer:
                 if (slow := self._slow.get(cancel["job"])) is not None:
                     slow.cancelled = True
         status, headers, payload = self._forward(h.command, h.path, raw, h.headers)
-        if h.command == "POST" and INSERT_PATH.search(path) and isinstance(body, dict):
+        self._remember(h.command, path, body)
+        if status == 200 and payload:
+            with contextlib.suppress(ValueError):
+                payload = json.dumps(self._rewrite(path, json.loads(payload))).encode()
+        self._reply_raw(h, status, headers, payload)
+
+    def _remember(self, method: str, path: str, body: Any) -> None:
+        """A query job the emulator was asked to run: its query (to bill), slow or not."""
+        if method == "POST" and INSERT_PATH.search(path) and isinstance(body, dict):
             job_id = (body.get("jobReference") or {}).get("jobId")
             query = body.get("configuration", {}).get("query", {}).get("query")
             if job_id and query:
@@ -318,10 +331,6 @@ class FaultLayer:
                     if self.slow_jobs > 0:
                         self.slow_jobs -= 1
                         self._slow[job_id] = _Slow(time.monotonic(), self.slow_seconds)
-        if status == 200 and payload:
-            with contextlib.suppress(ValueError):
-                payload = json.dumps(self._rewrite(path, json.loads(payload))).encode()
-        self._reply_raw(h, status, headers, payload)
 
     def _fault_for(self, method: str, path: str) -> Fault | None:
         for fault in self.faults:

@@ -25,7 +25,7 @@ def server_url(tmp_dir: Path) -> Iterator[str]:
     if configured:
         yield normalize_url(configured).render_as_string(hide_password=False)
         return
-    from enrichq_schema.postgres_supervisor import EmbeddedPostgres
+    from enrichq_service.embedded_postgres import EmbeddedPostgres
 
     if os.geteuid() == 0:
         # As root the server runs as `nobody`, which cannot enter pytest's 0700 temp tree:

@@ -304,8 +304,8 @@ class _Terminal(io.StringIO):
 def test_a_long_run_on_a_terminal_shows_a_bar_with_rows_done_and_rate() -> None:
     from enrichq_schema.states import AuditCommand
     from enrichq_service.commands.progress import Progress
-    from enrichq_sweeper.controls import ActionResult
-    from enrichq_sweeper.filters import Filter, Scope
+    from enrichq_service.controls.actions import ActionResult
+    from enrichq_service.controls.filters import Filter, Scope
 
     screen = _Terminal()
     progress = Progress("cancel", batch_size=10, stream=screen)
@@ -323,8 +323,8 @@ def test_a_long_run_on_a_terminal_shows_a_bar_with_rows_done_and_rate() -> None:
 def test_a_run_of_one_batch_shows_no_progress() -> None:
     from enrichq_schema.states import AuditCommand
     from enrichq_service.commands.progress import Progress
-    from enrichq_sweeper.controls import ActionResult
-    from enrichq_sweeper.filters import Filter, Scope
+    from enrichq_service.controls.actions import ActionResult
+    from enrichq_service.controls.filters import Filter, Scope
 
     screen = _Terminal()
     progress = Progress("cancel", batch_size=10, stream=screen)

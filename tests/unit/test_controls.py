@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from enrichq_sweeper import controls
-from enrichq_sweeper.filters import Filter, Scope
+from enrichq_service.controls import actions as controls
+from enrichq_service.controls.filters import Filter, Scope
 
 SCOPE_STATEMENTS = {
     "open_filter": {"controls_page_queued", "controls_page_leased", "controls_cancel_batch"},

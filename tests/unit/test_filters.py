@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from enrichq_sweeper.errors import FilterError
-from enrichq_sweeper.filters import Filter, Scope, parse_duration
+from enrichq_service.controls.errors import FilterError
+from enrichq_service.controls.filters import Filter, Scope, parse_duration
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,8 @@ import re
 
 import pytest
 
-from enrichq_sweeper.pauses import PauseError, PauseScope
+from enrichq_service.controls.errors import PauseError
+from enrichq_service.controls.pauses import PauseScope
 
 
 @pytest.mark.parametrize(

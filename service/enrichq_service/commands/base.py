@@ -35,13 +35,6 @@ def refuse(message: str, code: int = Exit.USAGE) -> NoReturn:
     raise CommandError(message, code)
 
 
-def say(message: str, stream: TextIO | None = None) -> None:
-    """Tell the operator one line on stderr (or `stream`), secrets scrubbed."""
-    from enrichq_schema.secrets import scrubbed
-
-    print(scrubbed(f"enrichq: {message}"), file=sys.stderr if stream is None else stream)
-
-
 @dataclass
 class Context:
     """What every command gets: the settings (read lazily from the file given), the
@@ -92,7 +85,7 @@ class Context:
     @contextlib.contextmanager
     def database(self) -> Iterator[str]:
         """The database URL, starting the embedded PostgreSQL when none is configured."""
-        from enrichq_schema.db import database_url
+        from enrichq_service.embedded_postgres import database_url
 
         if self._url is not None:
             yield self._url

@@ -1,6 +1,6 @@
 """The operator controls' commands: `enrichq cancel`, `dlq list|redrive|discard`, `pause`,
 `resume` and `audit`. Each checks its options before any connection, runs the domain's
-action (`enrichq_sweeper.controls`, `.pauses`, `.dlq`, `enrichq_schema.audit`) on one
+action (`enrichq_service.controls.actions`, `.pauses`, `.dlq`, `enrichq_schema.audit`) on one
 engine, and renders the record it returns."""
 
 from __future__ import annotations
@@ -14,16 +14,17 @@ from enrichq_schema.process import Exit
 from enrichq_schema.states import AuditCommand
 from enrichq_schema.text import printable, utc_time
 from enrichq_service.commands import options, render
-from enrichq_service.commands.base import Context, refuse, say
+from enrichq_service.commands.base import Context, refuse
 from enrichq_service.commands.progress import Progress, confirm_every_row
 from enrichq_service.commands.render import shown
+from enrichq_service.terminal import say
 
 if TYPE_CHECKING:
     from enrichq_schema.audit import AuditEntry
-    from enrichq_sweeper.controls import ActionResult, ActionStopped
-    from enrichq_sweeper.dlq import DeadLetter
-    from enrichq_sweeper.filters import Filter
-    from enrichq_sweeper.pauses import Pause, PauseScope
+    from enrichq_service.controls.actions import ActionResult, ActionStopped
+    from enrichq_service.controls.dlq import DeadLetter
+    from enrichq_service.controls.filters import Filter
+    from enrichq_service.controls.pauses import Pause, PauseScope
 
 ERROR_COLUMN_WIDTH = 60
 """How much of a dead letter's last error `dlq list` shows."""
@@ -35,10 +36,10 @@ def act(ctx: Context, command: str, given: Mapping[str, Any]) -> int:
     """Parse the filter (bad input: one line, exit 2, before any connection), then act:
     `--all` asks for confirmation on a terminal (cancel, discard; --yes skips it), and a run
     of more than one batch shows its progress on stderr."""
+    from enrichq_service.controls.actions import SCOPE_OF
+    from enrichq_service.controls.errors import FilterError
+    from enrichq_service.controls.filters import Filter
     from enrichq_sweeper.common import DEFAULT_BATCH_SIZE
-    from enrichq_sweeper.controls import SCOPE_OF
-    from enrichq_sweeper.errors import FilterError
-    from enrichq_sweeper.filters import Filter
 
     action = AuditCommand(command)
     # what is not how to act (--actor, --dry-run, --json, --yes) is the filter's criteria
@@ -89,12 +90,12 @@ def run_action(
 ) -> int:
     """Run an action of a checked filter and render what it did (or would do).
 
-    `confirm` and `on_batch` are `enrichq_sweeper.controls.run`'s; `on_end` is told when
+    `confirm` and `on_batch` are `enrichq_service.controls.actions.run`'s; `on_end` is told when
     the action ends, however it ends, before anything is rendered (a progress display
     stops there)."""
     from enrichq_schema import audit
-    from enrichq_sweeper import controls
-    from enrichq_sweeper.errors import FilterError
+    from enrichq_service.controls import actions as controls
+    from enrichq_service.controls.errors import FilterError
 
     settings = ctx.settings
     try:
@@ -182,7 +183,7 @@ VERB = {
 
 def render_result(result: ActionResult, out: TextIO) -> None:
     """One summary line; a dry run adds the sample as a table."""
-    from enrichq_sweeper.filters import Scope
+    from enrichq_service.controls.filters import Scope
 
     verb, _ = VERB[result.command]
     what = "row" if result.filter.scope is Scope.OPEN else "dead letter"
@@ -239,7 +240,7 @@ def done_counts(result: ActionResult) -> str:
 def _render_sample(result: ActionResult, out: TextIO) -> None:
     from rich.table import Table
 
-    from enrichq_sweeper.filters import Scope
+    from enrichq_service.controls.filters import Scope
 
     if not result.sample:
         return
@@ -274,8 +275,8 @@ def _render_sample(result: ActionResult, out: TextIO) -> None:
 
 def dlq_list(ctx: Context, *, reason: str | None, limit: int, as_json: bool) -> int:
     """Dead letters newest first: a table, or one JSON object per line."""
-    from enrichq_sweeper.dlq import list_dead
-    from enrichq_sweeper.errors import DlqInputError
+    from enrichq_service.controls.dlq import list_dead
+    from enrichq_service.controls.errors import DlqInputError
 
     try:
         with ctx.opened("enrichq-dlq") as engine, engine.connect() as conn:
@@ -330,7 +331,8 @@ def _superseder(row: DeadLetter) -> str:
 
 def pause_scope(command: str, kind: str | None, tenant: str | None) -> PauseScope:
     """The scope of `--kind` and `--tenant`, checked."""
-    from enrichq_sweeper.pauses import PauseError, PauseScope
+    from enrichq_service.controls.errors import PauseError
+    from enrichq_service.controls.pauses import PauseScope
 
     options.unpadded(command, "--tenant", tenant)
     try:
@@ -353,8 +355,9 @@ def pause(
     as_json: bool,
 ) -> int:
     """`enrichq pause`: pause, print what is paused now; the exit code."""
-    from enrichq_sweeper import pauses
-    from enrichq_sweeper.pauses import PauseError, PauseScope, check_reason
+    from enrichq_service.controls import pauses
+    from enrichq_service.controls.errors import PauseError
+    from enrichq_service.controls.pauses import PauseScope, check_reason
 
     paused = pause_scope("pause", kind, tenant)
     who = options.actor("pause", actor)
@@ -401,7 +404,7 @@ def resume(
 ) -> int:
     """`enrichq resume`: resume one scope (or every pause); the exit code (1 when nothing
     was paused at that scope: what is paused is said, nothing changed)."""
-    from enrichq_sweeper import pauses
+    from enrichq_service.controls import pauses
 
     if all_pauses and (kind is not None or tenant is not None):
         refuse("resume: --all stands alone (no --kind or --tenant); nothing changed")

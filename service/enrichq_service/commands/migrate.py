@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 
 from enrichq_schema.process import Exit
-from enrichq_service.commands.base import Context, refuse, say
+from enrichq_service.commands.base import Context, refuse
+from enrichq_service.terminal import say
 
 SCHEMA_CHECK_SECONDS = 2.0
 """How often `migrate --check --wait` looks again."""

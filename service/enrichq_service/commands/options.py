@@ -9,13 +9,12 @@ from datetime import datetime
 
 import click
 
+from enrichq_schema.states import TENANT_MAX_LENGTH
 from enrichq_service.commands.base import refuse
 
 # A queue row id is a PostgreSQL bigint: a larger --id names no row and cannot be bound.
 ROW_ID_MAX = 2**63 - 1
 ROW_ID = click.IntRange(min=1, max=ROW_ID_MAX)
-# A tenant as the command line takes it: the length `enrichq_schema.tables` allows.
-TENANT_MAX_LENGTH = 200
 
 
 def unpadded(command: str, option: str, value: str | None) -> str | None:

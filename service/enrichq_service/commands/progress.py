@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import click
 
 if TYPE_CHECKING:
-    from enrichq_sweeper.controls import ActionResult
+    from enrichq_service.controls.actions import ActionResult
 
 # A plain line of progress at most this often when stderr is not a terminal (seconds).
 PROGRESS_LINE_SECONDS = 5.0

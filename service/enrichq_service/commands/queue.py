@@ -10,6 +10,7 @@ from enrichq_schema.states import State
 from enrichq_service.commands import render
 from enrichq_service.commands.base import Context, refuse
 from enrichq_service.commands.render import shown
+from enrichq_service.terminal import say
 
 if TYPE_CHECKING:
     from enrichq_service.status import StatusReport
@@ -83,7 +84,12 @@ def sweep(ctx: Context, *, once: bool, no_wait: bool) -> int:
         scheduled_parity = run_scheduled
     with ctx.database() as url:
         return run_sweeper(
-            settings, url, once=once, scheduled_parity=scheduled_parity, wait_for_schema=not no_wait
+            settings,
+            url,
+            once=once,
+            tell=lambda line: say(line, ctx.err),
+            scheduled_parity=scheduled_parity,
+            wait_for_schema=not no_wait,
         )
 
 
@@ -93,7 +99,7 @@ def render_status(report: StatusReport, out: TextIO) -> None:
     from rich.table import Table
 
     from enrichq_schema.text import printable
-    from enrichq_sweeper.pauses import PauseScope
+    from enrichq_service.controls.pauses import PauseScope
 
     console = render.console(out)
     states = [s.value for s in State]

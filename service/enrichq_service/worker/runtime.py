@@ -20,12 +20,13 @@ import sqlalchemy.exc as sa_exc
 
 from enrichq_schema import connections, metrics, runlog
 from enrichq_schema.errors import constraint_name
-from enrichq_schema.process import lease_owner, say, stop_on_signals
+from enrichq_schema.process import lease_owner, stop_on_signals
 from enrichq_schema.settings import Settings
 from enrichq_schema.states import Component, Kind, Outcome, StopReason
 from enrichq_schema.tables import LEASED_KEY_INDEX
 from enrichq_service import queue as q
 from enrichq_service.enrich import EnricherChoice, choose, error_text, log_lookups, read_tickets
+from enrichq_service.terminal import say
 from enrichq_service.worker.admission import Admission
 from enrichq_service.worker.db import Backoff, ThreadConnection, is_unavailable
 from enrichq_service.worker.engines import WorkerEngines, build_engines

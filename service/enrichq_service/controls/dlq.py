@@ -1,7 +1,7 @@
 """Dead letters: list them (`enrichq dlq list`).
 
 Discard and redrive are operator controls over a filter, with cancel: see
-`enrichq_sweeper.controls`.
+`enrichq_service.controls.actions`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from datetime import datetime
 import sqlalchemy as sa
 
 from enrichq_schema.states import DeadReason
-from enrichq_sweeper.common import sql
-from enrichq_sweeper.errors import DlqInputError
+from enrichq_service.controls.actions import sql
+from enrichq_service.controls.errors import DlqInputError
 
 LIST_LIMIT_MAX = 10_000
 

@@ -1,8 +1,8 @@
 -- Operator controls over the queue: cancel (queued/leased → dead_letter, reason
 -- `cancelled`), dlq discard (deleted) and dlq redrive (→ queued), chosen by one filter
--- (enrichq_sweeper.filters): ids read page by page in one snapshot, then worked in batches
--- that lock in the global order and check the filter again. Every statement takes :now
--- (NULL = the database clock).
+-- (enrichq_service.controls.filters): ids read page by page in one snapshot, then worked
+-- in batches that lock in the global order and check the filter again; and the dead-letter
+-- listing. Every statement takes :now (NULL = the database clock).
 
 
 -- fragment: keys_tenant_kind
@@ -349,3 +349,38 @@ SELECT kind, tenant, reason, paused_by, paused_at,
             AS float8) AS age_seconds
 FROM enrichq.pauses
 ORDER BY paused_at, id;
+
+
+-- name: dlq_list
+-- Dead letters, newest id first, at most :limit, each with the state of the row that
+-- superseded it (NULL when retention has pruned that row: dead letters outlive it). The
+-- newest :limit of each dead reason (:reasons, every one there is) are read through the
+-- index by reason and id, and merged: never the table's id order, which walks the whole
+-- history back to the newest dead letter.
+SELECT q.id, q.kind, q.key, q.tenant, q.reason, q.dead_reason, q.superseded_by,
+       (SELECT w.state FROM enrichq.queue AS w WHERE w.id = q.superseded_by)
+           AS superseded_by_state,
+       q.attempts, q.max_attempts, q.last_error, q.finished_at, q.created_at
+FROM unnest(CAST(:reasons AS text[])) AS r(dead_reason)
+CROSS JOIN LATERAL (
+    SELECT d.id FROM enrichq.queue AS d
+    WHERE d.state = 'dead_letter' AND d.dead_reason = r.dead_reason
+    ORDER BY d.id DESC
+    LIMIT :limit
+) AS newest
+JOIN enrichq.queue AS q ON q.id = newest.id
+ORDER BY q.id DESC
+LIMIT :limit;
+
+
+-- name: dlq_list_by_reason
+-- Dead letters with dead_reason :reason, newest id first, at most :limit, each with the
+-- state of the row that superseded it (NULL when retention has pruned that row).
+SELECT q.id, q.kind, q.key, q.tenant, q.reason, q.dead_reason, q.superseded_by,
+       (SELECT w.state FROM enrichq.queue AS w WHERE w.id = q.superseded_by)
+           AS superseded_by_state,
+       q.attempts, q.max_attempts, q.last_error, q.finished_at, q.created_at
+FROM enrichq.queue AS q
+WHERE q.state = 'dead_letter' AND q.dead_reason = :reason
+ORDER BY q.id DESC
+LIMIT :limit;

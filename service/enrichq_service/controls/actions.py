@@ -15,14 +15,14 @@ import sqlalchemy.exc as sa_exc
 from enrichq_schema import audit
 from enrichq_schema.queries import Queries, load
 from enrichq_schema.states import NOTIFY_CHANNEL, AuditCommand
+from enrichq_service.controls.errors import ControlError, FilterError
+from enrichq_service.controls.filters import Filter, Scope
 from enrichq_sweeper.common import (
     DEFAULT_BATCH_SIZE,
     STATEMENT_TIMEOUT_SECONDS_DEFAULT,
     retry_races,
     set_statement_timeout,
 )
-from enrichq_sweeper.errors import FilterError, SweeperError
-from enrichq_sweeper.filters import Filter, Scope
 
 SAMPLE_SIZE = 10
 MISSING_IDS_SHOWN = 20
@@ -50,7 +50,7 @@ CHANGED = {"queued", "leased", "discarded", "redriven"}
 
 def sql() -> Queries:
     """The controls' named statements (sql/controls.sql), loaded once per process."""
-    return load("enrichq_sweeper", "sql/controls.sql")
+    return load("enrichq_service", "sql/controls.sql")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +105,7 @@ class ActionResult:
         return sum(n for name, n in self.counts.items() if name in CHANGED)
 
 
-class ActionStopped(SweeperError):
+class ActionStopped(ControlError):
     """The action stopped before its last batch; the batches committed before stay done."""
 
     def __init__(self, done: ActionResult, cause: BaseException) -> None:
