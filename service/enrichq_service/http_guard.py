@@ -158,9 +158,14 @@ class _Guarded(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.transport.is_closing() and self._timer is None:
-            # kept alive: the next request's head has the header timeout (uvicorn's own
-            # keep-alive timeout ends only while nothing at all arrives)
+        if (
+            not self.transport.is_closing()
+            and self._timer is None
+            and self.conn.their_state is h11.IDLE
+        ):
+            # kept alive and waiting for the next request (not answering a pipelined one
+            # already in): its head has the header timeout (uvicorn's own keep-alive
+            # timeout ends only while nothing at all arrives)
             self._arm(self.limits.header_timeout_seconds, "header_timeout")
 
 

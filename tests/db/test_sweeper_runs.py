@@ -13,6 +13,7 @@ from tests.support.procs import enrichq_env, spawn, wait_for
 from tests.support.settings import make_settings
 from tests.support.world import seeded
 
+from enrichq_service.seed import create_external_tables
 from enrichq_sweeper import passes
 
 # A lease of 2 s: a worker run silent for a few leases is lost.
@@ -28,6 +29,8 @@ def test_the_run_of_a_killed_worker_is_closed_as_lost_and_then_pruned(
     # the mirror's tables: a worker refuses to start without them
     seeded(db_engine, 1, enqueued=False)
     env = enrichq_env(db_url, **FAST)
+    with db_engine.begin() as conn:  # the mirror a worker checks for at start-up
+        create_external_tables(conn)
     killed = spawn(["worker"], env, log=tmp_path / "killed.log")
     alive = spawn(["worker"], env, log=tmp_path / "alive.log")
     try:

@@ -87,9 +87,11 @@ def test_serve_waits_for_the_schema_and_readyz_says_why(unmigrated: str, tmp_pat
     from tests.support.web import free_port
 
     port = free_port()
-    # a secret: serve without one warns first, and only the schema is missing here
+    # a secret: without one serve warns at start-up (tests/db/test_http_robustness.py)
     env = {
-        **enrichq_env(unmigrated, http_host="127.0.0.1", http_port=port, webhook_secret="s" * 32)
+        **enrichq_env(
+            unmigrated, http_host="127.0.0.1", http_port=port, webhook_secret="before-migrate"
+        )
     }
     refused = subprocess.run(
         [sys.executable, "-m", "enrichq_service", "serve", "--no-wait"],

@@ -22,7 +22,7 @@ import sqlalchemy as sa
 import yaml
 from tests.support.procs import REPO, enrichq_env, spawn, stop, wait_for
 from tests.support.web import answers, event, free_port, post_event
-from tests.support.world import seeded
+from tests.support.world import add_tickets, seeded
 
 from enrichq_service.controls import pauses
 
@@ -157,6 +157,15 @@ def test_a_live_prometheus_scrapes_every_process_and_sees_the_worker_go_down(
     with db_engine.begin() as conn:
         # a pause of a tenant with no work: the pause gauges exist only while one is in place
         pauses.pause(conn, pauses.PauseScope(None, "nobody-at-all"), actor="test")
+        # a ticket of the mirror changed an hour ago that no event announced: the
+        # sweeper's reconcile pass enqueues it, so enrichq_reconciled_total has a sample
+        add_tickets(conn, ["never-announced"])
+        conn.execute(
+            sa.text(
+                "UPDATE helpdesk.tickets SET updated_at = now() - interval '1 hour'"
+                " WHERE id = 'never-announced'"
+            )
+        )
     ports = {job: free_port() for job in JOBS}
     fast = {"lease_seconds": 3, "heartbeat_seconds": 0.5, "poll_seconds": 0.2}
     serve = spawn(
@@ -177,7 +186,12 @@ def test_a_live_prometheus_scrapes_every_process_and_sees_the_worker_go_down(
     )
     sweep = spawn(
         ["sweep"],
-        enrichq_env(db_url, sweep_interval_seconds=1, metrics_port=ports["enrichq-sweep"]),
+        enrichq_env(
+            db_url,
+            sweep_interval_seconds=1,
+            reconcile_interval_seconds=1,
+            metrics_port=ports["enrichq-sweep"],
+        ),
         log=prometheus_dir / "sweep.log",
     )
     prometheus_port = free_port()

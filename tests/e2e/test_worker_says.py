@@ -64,7 +64,7 @@ def test_sweep_once_says_what_it_runs_and_what_each_pass_did(
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "sweep --once as " in done.stderr
-    assert "recovery, retention, refresh, counts, on postgresql" in done.stderr
+    assert "recovery, retention, refresh, counts, reconcile, on postgresql" in done.stderr
     assert "sweep --once done: every task ran" in done.stderr
     # a pass that did something says so
     assert "sweeper recovery pass: promoted 1" in done.stderr
