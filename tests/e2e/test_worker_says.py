@@ -10,6 +10,8 @@ import sqlalchemy as sa
 from tests.support.procs import REPO, enrichq_env
 from tests.support.world import seeded
 
+from enrichq_schema.settings import LOOKUP_BATCH_SIZE_DEFAULT
+
 
 def test_the_worker_says_where_and_how_it_runs_and_why_it_stopped(
     db_url: str, db_engine: sa.Engine
@@ -34,7 +36,7 @@ def test_the_worker_says_where_and_how_it_runs_and_why_it_stopped(
     [start] = [line for line in lines if " starting: " in line]
     assert "database postgresql" in start
     assert "password=***" in start
-    assert "concurrency 3, lookup batch 50, draining" in start
+    assert f"concurrency 3, lookup batch {LOOKUP_BATCH_SIZE_DEFAULT}, draining" in start
     [stop] = [line for line in lines if "worker stopped" in line]
     assert "worker stopped (no_work): claimed 20, done 20" in stop
     assert "not-on-screen" not in done.stderr
