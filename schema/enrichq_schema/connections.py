@@ -76,8 +76,10 @@ def preflight(settings: Settings, url: str, *, mirror: bool = False) -> None:
     ENRICHQ_TICKETS_TABLE names no table: found before anything starts, not at the first
     lookup or pass.
     """
-    # connecting at all is the first check: a refused connection ends the process here
-    evidence = _probe(settings, url, mirror=mirror)
+    # connecting at all is the first check: a refused connection ends the process here;
+    # then the pool mode, the LISTEN URL, and last the mirror (a pooler's mismatch is the
+    # deeper fault: with it, the mirror's answer would come through the wrong pooler)
+    evidence, problem = _probe(settings, url, mirror=mirror)
     if settings.pool_mode is PoolMode.SESSION and evidence is not None:
         raise SettingsError(
             "ENRICHQ_POOL_MODE is session, but ENRICHQ_DATABASE_URL leads to a "
@@ -85,12 +87,14 @@ def preflight(settings: Settings, url: str, *, mirror: bool = False) -> None:
         )
     listen = settings.listen_database_url
     if listen:
-        evidence = _probe(settings, listen)
-        if evidence is not None:
+        listen_evidence, _ = _probe(settings, listen)
+        if listen_evidence is not None:
             raise SettingsError(
                 "ENRICHQ_LISTEN_DATABASE_URL leads to a transaction pooler "
-                f"({evidence}): LISTEN needs a direct connection to the database"
+                f"({listen_evidence}): LISTEN needs a direct connection to the database"
             )
+    if problem is not None:
+        raise SettingsError(problem)
 
 
 def mirror_problem(conn: sa.Connection, settings: Settings) -> str | None:
@@ -104,7 +108,10 @@ def mirror_problem(conn: sa.Connection, settings: Settings) -> str | None:
     )
 
 
-def _probe(settings: Settings, url: str, *, mirror: bool = False) -> str | None:
+def _probe(
+    settings: Settings, url: str, *, mirror: bool = False
+) -> tuple[str | None, str | None]:
+    """(evidence of a transaction pooler, the mirror's problem) of `url`, or Nones."""
     engine = db.create_engine(
         url,
         application_name="enrichq-preflight",
@@ -117,11 +124,9 @@ def _probe(settings: Settings, url: str, *, mirror: bool = False) -> str | None:
     )
     try:
         evidence = transaction_pooled(engine)
-        if mirror:
-            with engine.connect() as conn:
-                problem = mirror_problem(conn, settings)
-            if problem is not None:
-                raise SettingsError(problem)
-        return evidence
+        if not mirror:
+            return evidence, None
+        with engine.connect() as conn:
+            return evidence, mirror_problem(conn, settings)
     finally:
         engine.dispose()
