@@ -62,7 +62,7 @@ import sqlalchemy as sa
 
 from enrichq_schema.db import create_engine
 from tests.chaos.scenarios import AUDIT
-from tests.support.behaviours import BEHAVIOURS, EXIT_CODE
+from tests.support.behaviours import BEHAVIOURS, EXIT_CODE, UNASKED_BYTES
 from tests.support.commit_cutter import CommitCutter
 from tests.support.db import q
 from tests.support.pg import Databases
@@ -123,6 +123,11 @@ class Draw:
     @property
     def unit_size(self) -> int:
         return 50 if self.mode == "batch_50" else 1
+
+    @property
+    def unasked_answers(self) -> bool:
+        """Does a batch answer for tickets it was not asked about (billing the batch)?"""
+        return self.mode != "per_ticket" and "extra_answers" in self.behaviours
 
     @property
     def process_loss(self) -> bool:
@@ -751,17 +756,21 @@ def _check_lookups(d: Draw, engine: sa.Engine, behaviour: dict[str, str], logs: 
     died or ran out of time is logged as an error of 0 bytes, whether its plug-in ran or
     not.)"""
     billed = dict(zip(behaviour, d.bytes, strict=True))
+    starts, returned, _ = _calls(logs)
     for ticket, n in q(
         engine,
         "SELECT q.key, l.bytes_billed FROM enrichq.queue q LEFT JOIN enrichq.lookup_log l"
         " ON l.queue_id = q.id AND l.claim_token = q.claim_token WHERE q.state = 'done'",
     ):
-        if n != billed[ticket]:
+        # a batch that answered for tickets it was not asked about bills its tickets a
+        # share of those answers' bytes besides their own: what one of its calls returned
+        expected = set(returned[ticket]) if d.unasked_answers else {billed[ticket]}
+        if n not in expected:
             return [
                 f"{ticket} ({behaviour[ticket]}): the attempt that completed it logged"
-                f" {'no lookup' if n is None else f'{n} bytes'}; it billed {billed[ticket]}"
+                f" {'no lookup' if n is None else f'{n} bytes'}; it billed"
+                f" {' or '.join(map(str, sorted(expected))) or 'nothing'}"
             ]
-    starts, returned, _ = _calls(logs)
     logged: dict[str, list[int]] = defaultdict(list)
     charged: dict[str, int] = defaultdict(int)  # rows that record a call's result or bytes
     for ticket, n, status in q(
@@ -799,7 +808,8 @@ def _check_ledger(d: Draw, engine: sa.Engine, *, workers: int) -> list[str]:
             f" log {log_bytes} bytes / {log_lookups} lookups"
         )
     budget = budget_of(d)
-    unit = d.unit_size * max(d.bytes)
+    # one call's bytes: its tickets' own, and what answers it was not asked for billed
+    unit = d.unit_size * max(d.bytes) + (2 * UNASKED_BYTES if d.unasked_answers else 0)
     if budget and ledger_bytes > budget + workers * unit:
         bad.append(
             f"budget {budget} overspent: {ledger_bytes} billed, more than one lookup"

@@ -284,6 +284,7 @@ def _outcome(ticket: Ticket, found: Enrichment, context: EnrichContext) -> objec
 
 
 MISSING = object()  # a batch leaves the ticket out of its answer
+UNASKED_BYTES = 5  # what each answer of extra_answers for a ticket not asked for bills
 
 
 def per_ticket(ticket: Ticket, context: EnrichContext) -> Enrichment:
@@ -309,6 +310,7 @@ def batch(
     for t in tickets:
         _record(f"start {t.id}")
     outcomes: dict[str, Any] = {}
+    surcharge: dict[str, int] = {}
     try:
         _slow(context)
         behaviours = {t.id: _table().get(t.id, {}).get("behaviour") for t in tickets}
@@ -326,11 +328,17 @@ def batch(
             # answers for tickets it was not asked about: one of the table's, and nonsense
             asked = set(behaviours)
             others = [k for k in _table() if k not in asked]
-            wrong = Enrichment((Order("O-NOT-ASKED"),), job_id="job-wrong", bytes_billed=5)
+            wrong = Enrichment(
+                (Order("O-NOT-ASKED"),), job_id="job-wrong", bytes_billed=UNASKED_BYTES
+            )
             if others:
                 outcomes[others[0]] = wrong
             outcomes["not-a-ticket-\udc80"] = wrong
+            # what they billed is the batch's: equal shares, a byte more to the first
+            extra = UNASKED_BYTES * (1 + bool(others))
+            share, rest = divmod(extra, len(tickets))
+            surcharge = {t.id: share + (i < rest) for i, t in enumerate(tickets)}
     finally:
         for t in tickets:
-            _record(f"end {t.id} {billed(outcomes.get(t.id))}")
+            _record(f"end {t.id} {billed(outcomes.get(t.id)) + surcharge.get(t.id, 0)}")
     return outcomes
