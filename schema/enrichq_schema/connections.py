@@ -108,9 +108,7 @@ def mirror_problem(conn: sa.Connection, settings: Settings) -> str | None:
     )
 
 
-def _probe(
-    settings: Settings, url: str, *, mirror: bool = False
-) -> tuple[str | None, str | None]:
+def _probe(settings: Settings, url: str, *, mirror: bool = False) -> tuple[str | None, str | None]:
     """(evidence of a transaction pooler, the mirror's problem) of `url`, or Nones."""
     engine = db.create_engine(
         url,

@@ -431,6 +431,9 @@ def terminate_storm(db_url: str, logs: Path, tickets: int, rng: random.Random) -
             last = time.monotonic()
             while not quiet(engine) and time.monotonic() - run.started < 240:
                 time.sleep(rng.uniform(0.1, 0.5))
+                # a worker whose start-up connection was terminated exits 1 (by design):
+                # its supervisor starts it again, and so does the storm
+                f.revive()
                 killed = q(
                     engine,
                     "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
