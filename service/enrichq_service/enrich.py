@@ -193,17 +193,14 @@ class Surcharge:
 
 
 def enrich_all(
-    choice: EnricherChoice,
-    tickets: Sequence[Ticket],
-    context: EnrichContext,
-    each: Callable[[str, object], None] | None = None,
+    choice: EnricherChoice, tickets: Sequence[Ticket], context: EnrichContext
 ) -> dict[str, object]:
     """Each ticket's outcome, by ticket id, from the plug-in as it came (a result, not yet
     validated, or an exception): a batch enricher is called once for them all, and a call
-    that raises is every ticket's outcome; a per-ticket enricher once per ticket (`each`
-    is told every outcome as it comes). A call that raises a BaseException that is not an
-    Exception gets PluginAborted (`_plugin_error`): the plug-in's failure, never the
-    caller's. Used alike in the worker and in an isolated child."""
+    that raises is every ticket's outcome; a per-ticket enricher once per ticket. A call
+    that raises a BaseException that is not an Exception gets PluginAborted (`_plugin_error`):
+    the plug-in's failure, never the caller's. Used alike in the worker and in an isolated
+    child."""
     if choice.per_ticket is not None:
         outcomes: dict[str, object] = {}
         for ticket in tickets:
@@ -211,8 +208,6 @@ def enrich_all(
                 outcomes[ticket.id] = choice.per_ticket(ticket, context)
             except BaseException as exc:
                 outcomes[ticket.id] = _plugin_error(exc, shared=False)
-            if each is not None:
-                each(ticket.id, outcomes[ticket.id])
         return outcomes
     assert choice.batch is not None
     try:

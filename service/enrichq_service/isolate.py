@@ -1,11 +1,9 @@
-"""Run enrichments in a child process, so that a crash (a poison pill) or a call that hangs
-costs only the job that caused it: the suspects of a unit share a child, which answers
-each ticket as its call returns; a batch's are halved until the job that kills its child
-runs alone."""
+"""Run enrichments in a child process, so that a crash (a poison pill) costs only the job
+that caused it: the suspects of a unit run in one child, halved until the job that kills
+its child runs alone."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -16,7 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
@@ -70,60 +68,45 @@ def is_suspect(attempts: int, last_error: str | None) -> bool:
 
 def enrich_in_child(context: EnrichContext, tickets: Sequence[Ticket]) -> Outcomes:
     """Each ticket's outcome by ticket id, from the configured enricher run in child
-    processes: one for them all; when a child dies, the tickets it answered keep their
-    answers, the one it was running (per ticket) is the culprit, and the rest go on in a
-    new child, halved when the culprit is not known (a batch)."""
+    processes: one for them all, its tickets halved each time a child dies."""
     if not tickets:
         return {}
     try:
         outcomes = _run_child(context, tickets)
     except _ChildDied as died:
-        outcomes = died.answered
-        rest = [t for t in tickets if t.id not in outcomes and t.id != died.running]
-        if died.running is not None:
-            outcomes[died.running] = TransientError(
-                f"{CHILD_DIED} (exit {died.code}) while it enriched this ticket"
-            )
-            return {**outcomes, **enrich_in_child(context, rest)}
-        if len(rest) == 1:
-            outcomes[rest[0].id] = TransientError(
-                f"{CHILD_DIED} (exit {died.code}); the previous attempt lost its process too"
-            )
-            return outcomes
+        if len(tickets) == 1:
+            return {
+                tickets[0].id: TransientError(
+                    f"{CHILD_DIED} (exit {died.code}); the previous attempt lost its process too"
+                )
+            }
         log.warning(
             "an isolated enrichment of %d tickets died (exit %d): each half gets a process "
             "of its own",
-            len(rest),
+            len(tickets),
             died.code,
         )
     else:
         aborted = [v for v in outcomes.values() if isinstance(v, PluginAborted) and v.shared]
         if not aborted or len(tickets) == 1:
             return outcomes
-        rest, outcomes = list(tickets), {}
         log.warning(
             "an isolated batch enrichment of %d tickets raised %s: each half gets a process "
             "of its own",
             len(tickets),
             aborted[0],
         )
-    half = len(rest) // 2
+    half = len(tickets) // 2
     return {
-        **outcomes,
-        **enrich_in_child(context, rest[:half]),
-        **enrich_in_child(context, rest[half:]),
+        **enrich_in_child(context, tickets[:half]),
+        **enrich_in_child(context, tickets[half:]),
     }
 
 
 class _ChildDied(Exception):
-    """A child ended before answering for every ticket: exit `code`, the outcomes it gave
-    (`answered`), and the ticket whose per-ticket call it had started and not answered."""
-
-    def __init__(self, code: int, answered: Outcomes, running: str | None) -> None:
+    def __init__(self, code: int) -> None:
         super().__init__(code)
         self.code = code
-        self.answered = answered
-        self.running = running
 
 
 def _run_child(context: EnrichContext, tickets: Sequence[Ticket]) -> Outcomes:
@@ -161,63 +144,27 @@ def _run_child(context: EnrichContext, tickets: Sequence[Ticket]) -> Outcomes:
             out, _ = proc.communicate(json.dumps(request).encode(), timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
-        out, _ = proc.communicate()  # what it said before it was killed
+        proc.communicate()
         _end_sessions(context.warehouse, name)
-        assert timeout is not None
-        return _ran_past(tickets, *_heard(out), timeout)
+        return _each(tickets, TransientError(f"{CHILD_RAN_PAST} {timeout:g} s"))
     if stopped.is_set():
         _end_sessions(context.warehouse, name)
         return _each(tickets, TransientError(CANCELLED))
-    answers, running = _heard(out)
-    answered: Outcomes = {t.id: _outcome(answers[t.id]) for t in tickets if t.id in answers}
-    if len(answered) < len(tickets):
+    answers = _answers(out) if proc.returncode == 0 else None
+    if answers is None or not all(t.id in answers for t in tickets):
         _end_sessions(context.warehouse, name)
-        raise _ChildDied(proc.returncode, answered, running)
-    return answered
+        raise _ChildDied(proc.returncode)
+    return {t.id: _outcome(answers[t.id]) for t in tickets}
 
 
-def _heard(out: bytes) -> tuple[dict[str, Any], str | None]:
-    """What a child said before it ended (a JSON message a line): each answered ticket's
-    answer, and the ticket whose per-ticket call it had started and not answered (None
-    when there is no such ticket, or several: a batch's)."""
-    answers: dict[str, Any] = {}
-    started: list[str] = []
-    for line in out.splitlines():
-        try:
-            said = json.loads(line)
-        except ValueError:  # cut short by the child's end
-            continue
-        if not isinstance(said, dict):
-            continue
-        if isinstance(said.get("start"), str):
-            started.append(said["start"])
-        elif isinstance(said.get("id"), str) and isinstance(said.get("answer"), dict):
-            answers[said["id"]] = said["answer"]
-    running = [key for key in started if key not in answers]
-    return answers, running[0] if len(running) == 1 else None
-
-
-def _ran_past(
-    tickets: Sequence[Ticket], answers: dict[str, Any], running: str | None, timeout: float
-) -> Outcomes:
-    """The outcomes of a child killed when its attempt's time ran out: those it gave; the
-    ticket it was running (or every unanswered one, when that is not known) ran past; the
-    tickets that ticket kept from starting are put back with their attempt."""
-    ran_past = TransientError(f"{CHILD_RAN_PAST} {timeout:g} s")
-    not_run = Deferral(
-        datetime.now(UTC),
-        f"not run: the ticket before it in its isolated enrichment ({running!r}) "
-        f"{CHILD_RAN_PAST} {timeout:g} s",
-    )
-    outcomes: Outcomes = {}
-    for t in tickets:
-        if t.id in answers:
-            outcomes[t.id] = _outcome(answers[t.id])
-        elif running is None or t.id == running:
-            outcomes[t.id] = ran_past
-        else:
-            outcomes[t.id] = not_run
-    return outcomes
+def _answers(out: bytes) -> dict[str, Any] | None:
+    """Each ticket's answer from a child's output, or None if it gave none (it ended, with
+    exit 0, before answering)."""
+    try:
+        answers = json.loads(out)["outcomes"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return answers if isinstance(answers, dict) else None
 
 
 def _end_sessions(warehouse: sa.Engine, name: str) -> None:
@@ -365,34 +312,13 @@ def _answer_channel() -> int:
 
 
 def _child() -> int:
-    """The child's side: read the request, run the enricher, say each ticket's answer (per
-    ticket: as each call returns, after a line saying it started)."""
+    """The child's side: read the request, run the enricher, write the answer."""
     _leave_stops_to_the_parent()
-    channel = os.fdopen(_answer_channel(), "wb")
+    channel = _answer_channel()
     request = json.loads(sys.stdin.buffer.read())
     settings = Settings.model_validate(request["settings"])
     seconds = request["seconds"]
     deadline = None if seconds is None else time.monotonic() + seconds
-
-    def say(message: dict[str, Any]) -> None:
-        channel.write(json.dumps(message).encode() + b"\n")
-        channel.flush()
-
-    choice = choose(settings)
-    if choice.per_ticket is not None:
-        enrich_one = choice.per_ticket
-
-        def started(ticket: Ticket, context: EnrichContext) -> Enrichment:
-            say({"start": ticket.id})
-            return enrich_one(ticket, context)
-
-        choice = dataclasses.replace(choice, per_ticket=started)
-    answered: set[str] = set()
-
-    def answer(key: str, outcome: object) -> None:
-        say({"id": key, "answer": _answer(outcome)})
-        answered.add(key)
-
     # the worker's pool mode and network timeouts, as for every enrichq engine
     warehouse = warehouse_engine(
         settings,
@@ -402,17 +328,15 @@ def _child() -> int:
     )
     try:
         outcomes = enrich_all(
-            choice,
+            choose(settings),
             [_ticket(t) for t in request["tickets"]],
             EnrichContext(settings, warehouse, deadline=deadline),
-            answer,
         )
     finally:
         warehouse.dispose()
-    for key, outcome in outcomes.items():
-        if key not in answered:
-            answer(key, outcome)
-    channel.close()
+    answer = json.dumps({"outcomes": {k: _answer(v) for k, v in outcomes.items()}})
+    with os.fdopen(channel, "wb") as out:
+        out.write(answer.encode())
     return 0
 
 

@@ -10,7 +10,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -322,61 +321,3 @@ def test_the_query_of_a_child_past_its_deadline_is_gone_from_the_server_when_the
     finally:
         thread.join()
     assert seen  # the query did run before the deadline
-
-
-def starts(folder: Path) -> dict[str, int]:
-    """How many times each ticket's enrichment started (`enrichers.suspects`' marks)."""
-    counted: dict[str, int] = {}
-    for mark in folder.iterdir():
-        key = mark.name.rsplit(".", 1)[0]
-        counted[key] = counted.get(key, 0) + 1
-    return counted
-
-
-def test_suspects_a_hanging_one_kept_from_running_get_their_attempt_back(
-    db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # per ticket, the suspects of a child run one after another: one that hangs deaf to
-    # cancellation is the one that ran past the attempt's time; the suspects answered
-    # before it keep their outcomes, and those it kept from starting are put back with
-    # their attempt, not charged its time (or they would be dead-lettered beside it)
-    monkeypatch.setenv("ENRICHQ_TEST_STARTED_DIR", str(tmp_path))
-    monkeypatch.setenv("ENRICHQ_TEST_SLOW_SECONDS", "600")
-    settings = make_settings(db_url, enricher="tests.support.enrichers:suspects")
-    keys = ["A-1", "B-1", "H-1", "A-2", "B-2"]
-    with warehouse(settings, db_url) as engine:
-        context = EnrichContext(settings, engine, deadline=time.monotonic() + 8)
-        outcomes = enrich_in_child(context, [ticket(k) for k in keys])
-
-    assert isinstance(outcomes["A-1"], Enrichment)
-    assert isinstance(outcomes["B-1"], PluginAborted)  # its own error
-    assert isinstance(outcomes["H-1"], TransientError)
-    assert "isolated enrichment ran past" in str(outcomes["H-1"])
-    for key in ("A-2", "B-2"):
-        outcome = outcomes[key]
-        assert isinstance(outcome, Deferral), outcome
-        assert outcome.until <= datetime.now(UTC)
-        assert "ran past" in str(outcome)
-    assert starts(tmp_path) == {"A-1": 1, "B-1": 1, "H-1": 1}
-
-
-def test_a_poison_pill_costs_only_itself_and_nothing_runs_twice(
-    db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # per ticket, the suspect that was running when its child died is the poison pill; the
-    # suspects answered before it keep their answers (their lookups billed once), and those
-    # after it run in a child of their own
-    monkeypatch.setenv("ENRICHQ_TEST_STARTED_DIR", str(tmp_path))
-    settings = make_settings(db_url, enricher="tests.support.enrichers:suspects")
-    keys = ["A-1", "A-2", "P-1", "A-3", "P-2", "A-4"]
-    with warehouse(settings, db_url) as engine:
-        outcomes = enrich_in_child(EnrichContext(settings, engine), [ticket(k) for k in keys])
-
-    for key in ("A-1", "A-2", "A-3", "A-4"):
-        assert isinstance(outcomes[key], Enrichment), outcomes[key]
-    for key in ("P-1", "P-2"):
-        assert isinstance(outcomes[key], TransientError)
-        assert CHILD_DIED in str(outcomes[key])
-        assert "exit 13" in str(outcomes[key])
-        assert is_suspect(2, str(outcomes[key]))  # still a suspect next time
-    assert starts(tmp_path) == dict.fromkeys(keys, 1)

@@ -456,21 +456,3 @@ def unasked_keys(tickets: Sequence[Ticket], context: EnrichContext) -> Mapping[s
         )
         for t in tickets
     }
-
-
-def suspects(ticket: Ticket, context: EnrichContext) -> Enrichment:
-    """By the ticket id's first letter: 'H' hangs ENRICHQ_TEST_SLOW_SECONDS deaf to
-    cancellation, 'P' exits its process (a poison pill), 'B' raises a BaseException; any
-    other is `tagged`. Every start is marked in ENRICHQ_TEST_STARTED_DIR (a file per start,
-    holding the pid)."""
-    marker = os.environ.get("ENRICHQ_TEST_STARTED_DIR")
-    if marker:
-        with open(os.path.join(marker, f"{ticket.id}.{time.monotonic_ns()}"), "w") as f:
-            f.write(str(os.getpid()))
-    if ticket.id.startswith("H"):
-        time.sleep(float(os.environ.get("ENRICHQ_TEST_SLOW_SECONDS", "20")))
-    if ticket.id.startswith("P"):
-        os._exit(13)
-    if ticket.id.startswith("B"):
-        raise KeyboardInterrupt("a library's KeyboardInterrupt")
-    return tagged(ticket, context)
