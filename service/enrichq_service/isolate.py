@@ -4,6 +4,7 @@ its child runs alone."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -50,6 +51,8 @@ MIN_CHILD_SECONDS = 1.0
 APPLICATION_NAME = "enrichq-isolated"
 # how long ending a dead child's warehouse sessions may wait for them to be gone
 END_SESSIONS_SECONDS = 5.0
+# how long reading a killed child's pipe to its end may take
+REAP_SECONDS = 5.0
 # the stop signals of a process group, which a child leaves to its parent
 GROUP_STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
 
@@ -126,25 +129,34 @@ def _run_child(context: EnrichContext, tickets: Sequence[Ticket]) -> Outcomes:
     # exec), so none can kill it before it has installed its own handlers for them.
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, GROUP_STOP_SIGNALS)
     try:
+        # a process group of its own, killed whole: a helper the plug-in forked holds the
+        # answer pipe, and would keep the call waiting for it to exit
         proc = subprocess.Popen(
             [sys.executable, "-m", "enrichq_service.isolate"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            process_group=0,
         )
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     stopped = threading.Event()
 
+    def end_group() -> None:
+        proc.wait()
+        _kill(proc)  # what its plug-in left behind, which may hold the answer pipe
+
+    threading.Thread(target=end_group, name="enrichq-isolated-reaper", daemon=True).start()
+
     def stop() -> None:
         stopped.set()
-        proc.kill()
+        _kill(proc)
 
     try:
         with context.interruptible(stop):
             out, _ = proc.communicate(json.dumps(request).encode(), timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
+        _kill(proc)
+        _reap(proc)
         _end_sessions(context.warehouse, name)
         return _each(tickets, TransientError(f"{CHILD_RAN_PAST} {timeout:g} s"))
     if stopped.is_set():
@@ -155,6 +167,23 @@ def _run_child(context: EnrichContext, tickets: Sequence[Ticket]) -> Outcomes:
         _end_sessions(context.warehouse, name)
         raise _ChildDied(proc.returncode)
     return {t.id: _outcome(answers[t.id]) for t in tickets}
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL to the child's process group: the child and what its plug-in started."""
+    with contextlib.suppress(ProcessLookupError):  # the group is gone already
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _reap(proc: subprocess.Popen[bytes]) -> None:
+    """Wait for a killed child, its output read to the end (a few seconds at most: a
+    process that left its group may still hold the pipe, and is not waited for)."""
+    try:
+        proc.communicate(timeout=REAP_SECONDS)
+    except subprocess.TimeoutExpired:
+        assert proc.stdout is not None
+        proc.stdout.close()
+        proc.wait()
 
 
 def _answers(out: bytes) -> dict[str, Any] | None:

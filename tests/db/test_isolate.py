@@ -321,3 +321,64 @@ def test_the_query_of_a_child_past_its_deadline_is_gone_from_the_server_when_the
     finally:
         thread.join()
     assert seen  # the query did run before the deadline
+
+
+@pytest.mark.parametrize("end", ["deadline", "given_up", "died"])
+def test_a_child_whose_plug_in_forked_a_helper_is_stopped_with_its_helper(
+    db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, end: str
+) -> None:
+    # a helper forked by the plug-in holds the child's answer pipe: killing the child
+    # alone left the call waiting for the helper to exit (600 s here), the job's thread
+    # and its warehouse slot with it (or, when the child died, until the attempt's time
+    # ran out); the child's whole process group is killed instead, and when it ends
+    monkeypatch.setenv("ENRICHQ_TEST_STARTED_DIR", str(tmp_path))
+    if end == "died":
+        monkeypatch.setenv("ENRICHQ_TEST_EXIT", "1")
+    monkeypatch.setenv("ENRICHQ_TEST_SLOW_SECONDS", "600")
+    settings = make_settings(db_url, enricher="tests.support.enrichers:forks_and_hangs")
+    marker = tmp_path / "helper"
+
+    @contextmanager
+    def interruptible(cancel: Callable[[], None]) -> Iterator[None]:
+        def give_up() -> None:
+            wait_for(marker.exists, timeout=60, what="the plug-in to fork its helper")
+            cancel()
+
+        thread = threading.Thread(target=give_up, daemon=True)
+        thread.start()
+        yield
+
+    out: list[object] = []
+    with warehouse(settings, db_url) as engine:
+        if end == "deadline":
+            context = EnrichContext(settings, engine, deadline=time.monotonic() + 5)
+        elif end == "died":
+            context = EnrichContext(settings, engine, deadline=time.monotonic() + 600)
+        else:
+            context = EnrichContext(settings, engine, interruptible=interruptible)
+        call = threading.Thread(
+            target=lambda: out.append(enrich_in_child(context, [ticket("T-1")])), daemon=True
+        )
+        call.start()
+        call.join(120)
+        assert not call.is_alive(), "the call waited for the plug-in's helper"
+
+    assert isinstance(out[0], dict)
+    assert isinstance(out[0]["T-1"], TransientError)
+    if end == "died":
+        assert CHILD_DIED in str(out[0]["T-1"])
+    helper = int(marker.read_text())
+    wait_for(lambda: not _alive(helper), timeout=30, what="the helper to be gone")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie of init's is gone for our purpose
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False

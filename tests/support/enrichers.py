@@ -456,3 +456,23 @@ def unasked_keys(tickets: Sequence[Ticket], context: EnrichContext) -> Mapping[s
         )
         for t in tickets
     }
+
+
+def forks_and_hangs(ticket: Ticket, context: EnrichContext) -> Enrichment:
+    """Forks a helper that lives ENRICHQ_TEST_SLOW_SECONDS (holding every descriptor the
+    plug-in had, the isolated child's answer pipe among them), writes the helper's pid to
+    ENRICHQ_TEST_STARTED_DIR/helper, then hangs as long, deaf to cancellation (or, with
+    ENRICHQ_TEST_EXIT set, exits its process)."""
+    seconds = float(os.environ.get("ENRICHQ_TEST_SLOW_SECONDS", "600"))
+    helper = os.fork()
+    if helper == 0:
+        time.sleep(seconds)
+        os._exit(0)
+    marker = os.environ["ENRICHQ_TEST_STARTED_DIR"]
+    with open(os.path.join(marker, "helper.tmp"), "w") as f:
+        f.write(str(helper))
+    os.replace(os.path.join(marker, "helper.tmp"), os.path.join(marker, "helper"))
+    if os.environ.get("ENRICHQ_TEST_EXIT"):
+        os._exit(13)
+    time.sleep(seconds)
+    return tagged(ticket, context)
