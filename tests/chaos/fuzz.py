@@ -66,7 +66,7 @@ from tests.support.behaviours import BEHAVIOURS, EXIT_CODE, UNASKED_BYTES
 from tests.support.commit_cutter import CommitCutter
 from tests.support.db import q
 from tests.support.pg import Databases
-from tests.support.procs import enrichq_env, spawn
+from tests.support.procs import alive, enrichq_env, spawn
 from tests.support.tcpproxy import TcpProxy, target_of, via
 from tests.support.web import free_port
 from tests.support.world import seeded
@@ -606,14 +606,6 @@ def _open_rows(engine: sa.Engine) -> list[tuple[Any, ...]]:
     )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
-
-
 def _calls(logs: Path) -> tuple[dict[str, int], dict[str, list[int]], dict[int, int]]:
     """Each ticket's calls started, its returned calls (the bytes each billed), and each
     process's calls still running (started, not returned)."""
@@ -639,7 +631,7 @@ def _calls_returned(logs: Path, *, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         _, _, running = _calls(logs)
-        if not any(n > 0 and _alive(pid) for pid, n in running.items()):
+        if not any(n > 0 and alive(pid) for pid, n in running.items()):
             return
         time.sleep(0.1)
 

@@ -87,3 +87,12 @@ def stop(proc: subprocess.Popen[Any], *, timeout: float = 30.0) -> int:
             proc.kill()
             proc.wait(10)
     return proc.returncode
+
+
+def alive(pid: int) -> bool:
+    """Is process `pid` running (a zombie is not)?"""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
