@@ -51,6 +51,8 @@ MIN_CHILD_SECONDS = 1.0
 APPLICATION_NAME = "enrichq-isolated"
 # how long ending a dead child's warehouse sessions may wait for them to be gone
 END_SESSIONS_SECONDS = 5.0
+# how often a child checks that its worker is still there
+PARENT_CHECK_SECONDS = 0.5
 # how long reading a killed child's pipe to its end may take
 REAP_SECONDS = 5.0
 # the stop signals of a process group, which a child leaves to its parent
@@ -123,6 +125,7 @@ def _run_child(context: EnrichContext, tickets: Sequence[Ticket]) -> Outcomes:
         "application_name": name,
         "seconds": timeout,
         "tickets": [_ticket_json(t) for t in tickets],
+        "parent": os.getpid(),
     }
     # stderr is the worker's: whatever a dying child says lands in the worker's log. The
     # child starts with the group's stop signals blocked (a blocked mask survives fork and
@@ -340,11 +343,26 @@ def _answer_channel() -> int:
     return channel
 
 
+def _end_with_the_parent(parent: int) -> None:
+    """Kill this child's process group (it leads one: `_run_child`) once its worker is
+    gone, however it went (a SIGKILL to it or to its group): no one would read the answer,
+    or end the query, of a plug-in that hangs on."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_SECONDS)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    if os.getpgrp() == os.getpid():
+        threading.Thread(target=watch, name="enrichq-parent-watch", daemon=True).start()
+
+
 def _child() -> int:
     """The child's side: read the request, run the enricher, write the answer."""
     _leave_stops_to_the_parent()
     channel = _answer_channel()
     request = json.loads(sys.stdin.buffer.read())
+    _end_with_the_parent(request["parent"])
     settings = Settings.model_validate(request["settings"])
     seconds = request["seconds"]
     deadline = None if seconds is None else time.monotonic() + seconds

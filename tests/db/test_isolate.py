@@ -4,8 +4,11 @@ outcome as the enricher gave it; and it is killed when its attempt is given up."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 from tests.support.db import q
 from tests.support.enrichers import BASE_EXCEPTIONS, STDOUT_NOISE
-from tests.support.procs import wait_for
+from tests.support.procs import alive, wait_for
 from tests.support.settings import make_settings
 
 from enrichq_schema.connections import warehouse_engine
@@ -368,17 +371,47 @@ def test_a_child_whose_plug_in_forked_a_helper_is_stopped_with_its_helper(
     if end == "died":
         assert CHILD_DIED in str(out[0]["T-1"])
     helper = int(marker.read_text())
-    wait_for(lambda: not _alive(helper), timeout=30, what="the helper to be gone")
+    wait_for(lambda: not alive(helper), timeout=30, what="the helper to be gone")
 
 
-def _alive(pid: int) -> bool:
+PARENT = """
+import sys, time
+from enrichq_schema.connections import warehouse_engine
+from enrichq_service.enrich import EnrichContext, Ticket
+from enrichq_service.isolate import enrich_in_child
+from tests.support.settings import make_settings
+
+settings = make_settings(sys.argv[1], enricher="tests.support.enrichers:hang_on_h")
+engine = warehouse_engine(settings, sys.argv[1])
+context = EnrichContext(settings, engine, deadline=time.monotonic() + 600)
+enrich_in_child(context, [Ticket("H-1", "someone@example.org", "acme", None, None)])
+"""
+
+
+@pytest.mark.parametrize("kill", ["group", "process"])
+def test_an_isolated_child_does_not_outlive_its_worker_killed_by_sigkill(
+    db_url: str, tmp_path: Path, kill: str
+) -> None:
+    # a supervisor that SIGKILLs the worker's process group (supervisord's killasgroup, a
+    # terminal's hangup), or the worker alone: its isolated child, hanging deaf to
+    # cancellation, must not run on with nobody to read its answer or end its query
+    env = {
+        **os.environ,
+        "ENRICHQ_TEST_STARTED_DIR": str(tmp_path),
+        "ENRICHQ_TEST_SLOW_SECONDS": "600",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+    }
+    worker = subprocess.Popen([sys.executable, "-c", PARENT, db_url], env=env, process_group=0)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie of init's is gone for our purpose
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
-        return False
+        marks = wait_for(lambda: list(tmp_path.glob("H-1.*")), timeout=60, what="the child")
+        child = int(marks[0].read_text())
+        assert alive(child)
+        if kill == "group":
+            os.killpg(worker.pid, signal.SIGKILL)
+        else:
+            worker.kill()
+        worker.wait(10)
+        wait_for(lambda: not alive(child), timeout=30, what="the orphaned child to be gone")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(worker.pid, signal.SIGKILL)
