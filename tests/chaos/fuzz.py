@@ -61,6 +61,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from enrichq_schema.db import create_engine
+from enrichq_schema.states import LEASE_EXPIRED_ERROR
 from tests.chaos.scenarios import AUDIT
 from tests.support.behaviours import BEHAVIOURS, EXIT_CODE, UNASKED_BYTES
 from tests.support.commit_cutter import CommitCutter
@@ -708,7 +709,15 @@ def _check_tickets(d: Draw, engine: sa.Engine, behaviour: dict[str, str]) -> lis
             why = "done with other orders than the warehouse's"
         elif state == "dead_letter" and dead_reason != "attempts_exhausted":
             why = f"dead-lettered as {dead_reason}"
-        elif state != "done" and not (last_error and b.names_reason(last_error)):
+        elif state != "done" and not (
+            last_error
+            and (
+                b.names_reason(last_error)
+                # its last attempt lost with its worker or connection (the lease expired,
+                # attempts count at claim): dead-lettered for that, its own reason unseen
+                or (d.lossy and state == "dead_letter" and last_error == LEASE_EXPIRED_ERROR)
+            )
+        ):
             why = f"{state}, last_error {str(last_error)[:100]!r}"
         elif not b.good and (written.get(key) or got.get(key)):
             why = f"{state} with a result written"
