@@ -16,7 +16,9 @@ Everything runs sequentially on scratch databases of ENRICHQ_TEST_DATABASE_URL's
 - claim latency by the tenants holding queued work (issue 26): 5,000 queued rows on 200,000
   terminal ones, of one tenant, of 5,000 tenants, and of 5,000 tenants not visible yet
   beside one tenant's visible backlog, each with the plan made with the values and with the
-  worker's generic plan (`--latency-only` runs the two latency parts alone);
+  worker's generic plan, at batch 50 and at batch 1 (where a claim takes one pair's row
+  whatever the spread, so the tenants' number alone differs) (`--latency-only` runs the
+  two latency parts alone);
 - a soak: a steady enqueue rate and 2 workers, per minute throughput and dead tuples.
 
 Not a test: pytest never collects tests/bench. Times come from time.perf_counter.
@@ -89,6 +91,10 @@ LATENCY_TENANTS = 5_000
 # issue 26: the queued rows and the history of the claim-cost-by-tenants part
 SPREAD_QUEUED = 5_000
 SPREAD_TERMINAL = 200_000
+# the worker's batch, then batch 1: a batch of 50 spread over 5,000 tenants takes one row of
+# 50 pairs (50 heads to evaluate, 50 served counts) where one tenant's takes 50 rows of one
+# pair; at batch 1 both take one row of one pair, so the tenants' number alone differs
+SPREAD_BATCHES = (LATENCY_BATCH, 1)
 QUICK = Sizes(1, 400, 5_000, 5_000, 200, 200_000, 1)
 
 
@@ -485,8 +491,8 @@ def fill_spread(url: str, spread: Spread) -> None:
     run_sql(url, "VACUUM ANALYZE enrichq.queue", autocommit=True)
 
 
-def bench_spread(urls: Sequence[str], sizes: Sizes) -> list[list[float]]:
-    """Claim latency (claim statement + commit), one process, batch 50, on each SPREADS
+def bench_spread(urls: Sequence[str], sizes: Sizes, batch: int) -> list[list[float]]:
+    """Claim latency (claim statement + commit), one process, batches of `batch`, on each SPREADS
     table, with the plan made with the values and then with the worker's claim engine
     (generic plan), the tables taking turns every 50 claims. Untimed after each claim: its
     jobs complete and as many rows of the same tenants are enqueued, visible now, so every
@@ -508,7 +514,7 @@ def bench_spread(urls: Sequence[str], sizes: Sizes) -> list[list[float]]:
                     conn,
                     kinds=("enrich",),
                     owner="lat",
-                    limit=LATENCY_BATCH,
+                    limit=batch,
                     lease_seconds=LEASE_SECONDS,
                 )
             latencies[side].append(time.perf_counter() - t)
@@ -827,44 +833,49 @@ def report_latency(sizes: Sizes, latencies: list[list[float]]) -> list[list[obje
     return targets
 
 
-def report_spread(sizes: Sizes, latencies: list[list[float]]) -> list[list[object]]:
+def report_spread(sizes: Sizes, by_batch: dict[int, list[list[float]]]) -> list[list[object]]:
     plans = ("values", "generic")
     rows: list[list[object]] = []
-    p50: dict[tuple[str, str], float] = {}
-    for i, side in enumerate(latencies):
-        spread, plan = SPREADS[i % len(SPREADS)], plans[i // len(SPREADS)]
-        p50[(spread.label, plan)] = percentile(side, 50) * 1000
-        rows.append(
-            [
-                spread.label,
-                plan,
-                p50[(spread.label, plan)],
-                percentile(side, 99) * 1000,
-                max(side) * 1000,
-            ]
-        )
+    p50: dict[tuple[int, str, str], float] = {}
+    for batch, latencies in by_batch.items():
+        for i, side in enumerate(latencies):
+            spread, plan = SPREADS[i % len(SPREADS)], plans[i // len(SPREADS)]
+            p50[(batch, spread.label, plan)] = percentile(side, 50) * 1000
+            rows.append(
+                [
+                    batch,
+                    spread.label,
+                    plan,
+                    p50[(batch, spread.label, plan)],
+                    percentile(side, 99) * 1000,
+                    max(side) * 1000,
+                ]
+            )
     print_table(
-        f"claim latency by tenants with queued work, 1 process, batch {LATENCY_BATCH},"
-        f" {sizes.latency_claims:,} claims each (ms, claim + commit; {SPREAD_QUEUED:,} queued"
-        f" rows, {SPREAD_TERMINAL:,} terminal rows)",
-        ["queued rows of", "plan", "p50", "p99", "max"],
+        f"claim latency by tenants with queued work, 1 process, {sizes.latency_claims:,} claims"
+        f" each (ms, claim + commit; {SPREAD_QUEUED:,} queued rows, {SPREAD_TERMINAL:,}"
+        " terminal rows)",
+        ["batch", "queued rows of", "plan", "p50", "p99", "max"],
         rows,
-        note="not visible yet: visible in 10 minutes, beside one tenant's visible backlog",
+        note="not visible yet: visible in 10 minutes, beside one tenant's visible backlog;"
+        " a batch over 5,000 tenants takes one row of each of its pairs",
     )
     targets: list[list[object]] = []
     one = SPREADS[0].label
-    for spread in SPREADS[1:]:
-        for plan in plans:
-            x = ratio(p50[(spread.label, plan)], p50[(one, plan)])
-            targets.append(
-                [
-                    f"claim p50, queued rows of {spread.label} ≤ {TARGET_LATENCY_RATIO}x"
-                    f" of {one} ({plan} plan)",
-                    f"{x:.2f}x",
-                    f"{p50[(spread.label, plan)]:.2f} vs {p50[(one, plan)]:.2f} ms",
-                    verdict(x, TARGET_LATENCY_RATIO, higher_is_better=False),
-                ]
-            )
+    for batch in by_batch:
+        for spread in SPREADS[1:]:
+            for plan in plans:
+                x = ratio(p50[(batch, spread.label, plan)], p50[(batch, one, plan)])
+                targets.append(
+                    [
+                        f"claim p50 at batch {batch}, queued rows of {spread.label}"
+                        f" ≤ {TARGET_LATENCY_RATIO}x of {one} ({plan} plan)",
+                        f"{x:.2f}x",
+                        f"{p50[(batch, spread.label, plan)]:.2f} vs"
+                        f" {p50[(batch, one, plan)]:.2f} ms",
+                        verdict(x, TARGET_LATENCY_RATIO, higher_is_better=False),
+                    ]
+                )
     return targets
 
 
@@ -985,7 +996,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def run_latency(url: str, sizes: Sizes) -> tuple[list[list[float]], list[list[float]]]:
+def run_latency(url: str, sizes: Sizes) -> tuple[list[list[float]], dict[int, list[list[float]]]]:
     """Both claim-latency parts, on scratch databases beside `url`."""
     console.print("[bold]claim latency[/bold]")
     with (
@@ -999,7 +1010,10 @@ def run_latency(url: str, sizes: Sizes) -> tuple[list[list[float]], list[list[fl
         scratch_database("queue_bench_spread") as spread_url,
         scratch_database("queue_bench_hidden") as hidden_url,
     ):
-        spread = bench_spread([one_url, spread_url, hidden_url], sizes)
+        spread = {
+            batch: bench_spread([one_url, spread_url, hidden_url], sizes, batch)
+            for batch in SPREAD_BATCHES
+        }
     return latencies, spread
 
 
