@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 CHILD_DIED = "isolated enrichment process died"
 CHILD_RAN_PAST = "isolated enrichment ran past"
 CANCELLED = "isolated enrichment stopped: its attempt was abandoned or its lease lost"
+# what the worker adds to the error of an isolated attempt it stopped itself (its deadline
+# passed, the worker shut down): the job stays a suspect, its innocence never shown
+STOPPED_ISOLATED = "while isolated"
 # the least time a child is given, even past the deadline: enough to start and answer
 MIN_CHILD_SECONDS = 1.0
 # what every isolated child's warehouse sessions are named after (and a suffix of its own)
@@ -68,7 +71,9 @@ def is_suspect(attempts: int, last_error: str | None) -> bool:
     # a child that ran out of the attempt's time may have been halving around a poison pill
     # that was never isolated: its tickets stay suspects, or the next attempt would run
     # them in-process beside it
-    return attempts > 1 and (vanished or ABORTED in error or CHILD_RAN_PAST in error)
+    # (and so may one the worker stopped, by its deadline or at shutdown, in its child)
+    ran_past = CHILD_RAN_PAST in error or STOPPED_ISOLATED in error
+    return attempts > 1 and (vanished or ABORTED in error or ran_past)
 
 
 def enrich_in_child(context: EnrichContext, tickets: Sequence[Ticket]) -> Outcomes:

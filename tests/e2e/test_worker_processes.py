@@ -543,3 +543,83 @@ def isolated_sleepers(engine: sa.Engine) -> int:
         " AND query LIKE '%pg_sleep%'",
     )
     return int(n)
+
+
+def _poison_suspect(engine: sa.Engine) -> list[str]:
+    """Five good tickets, and POISON as a suspect (its first attempt's lease expired)."""
+    keys = seeded(engine, 5)
+    execute(engine, "INSERT INTO helpdesk.tickets (id, requester_email) VALUES ('POISON', 'x@y.z')")
+    execute(
+        engine,
+        "INSERT INTO enrichq.queue (kind, key, reason, attempts, max_attempts, last_error)"
+        " VALUES ('enrich', 'POISON', 'manual', 1, 3, :e)",
+        e=LEASE_EXPIRED_ERROR,
+    )
+    return keys
+
+
+def _poison_isolated_to_the_end(engine: sa.Engine, markers: Path, keys: list[str]) -> None:
+    """POISON hung in its child once and exited its (child) process once, then was
+    dead-lettered; the good tickets were done at their first attempt."""
+    state, reason, attempts, last_error = q(
+        engine,
+        "SELECT state, dead_reason, attempts, last_error FROM enrichq.queue WHERE key = 'POISON'",
+    )[0]
+    assert (state, reason, attempts) == ("dead_letter", "attempts_exhausted", 3)
+    assert "isolated enrichment process died" in last_error
+    assert sorted(p.name for p in markers.iterdir()) == ["POISON.0", "POISON.1"]
+    assert q(
+        engine,
+        "SELECT count(*) FROM enrichq.queue WHERE state = 'done' AND attempts = 1 AND key = ANY(:k)",
+        k=keys,
+    ) == [(5,)]
+
+
+def test_a_suspect_stopped_by_its_deadline_in_a_child_stays_a_suspect(
+    db_url: str, db_engine: sa.Engine, markers: Path, tmp_path: Path
+) -> None:
+    """A suspect whose isolated attempt hangs past the attempt's deadline is retried as a
+    suspect again: the worker's own deadline (which lands before the child's, or beside it)
+    stopped it before its innocence was shown. Run in the worker's process instead, its
+    next attempt, which exits its process, took the worker and every job beside it."""
+    keys = _poison_suspect(db_engine)
+    worker = spawn(
+        ["worker", "--drain"],
+        enrichq_env(
+            db_url,
+            enricher="tests.support.enrichers:hangs_then_exits",
+            ENRICHQ_TEST_STARTED_DIR=markers,
+            attempt_deadline_seconds=2,
+            backoff_base_seconds=0,
+            backoff_cap_seconds=0,
+        ),
+        log=tmp_path / "w.log",
+    )
+    assert worker.wait(120) == 0, (tmp_path / "w.log").read_text()[-2000:]
+    _poison_isolated_to_the_end(db_engine, markers, keys)
+
+
+def test_a_suspect_stopped_in_a_child_by_a_shutdown_stays_a_suspect(
+    db_url: str, db_engine: sa.Engine, markers: Path, tmp_path: Path
+) -> None:
+    """The same when the worker stops (SIGTERM, a short grace) while the suspect hangs in
+    its child: the next worker runs it in a child again, and survives its exit."""
+    keys = _poison_suspect(db_engine)
+    env = enrichq_env(
+        db_url,
+        enricher="tests.support.enrichers:hangs_then_exits",
+        ENRICHQ_TEST_STARTED_DIR=markers,
+        shutdown_grace_seconds=1,
+        backoff_base_seconds=0,
+        backoff_cap_seconds=0,
+    )
+    first = spawn(["worker"], env, log=tmp_path / "w1.log")
+    wait_for((markers / "POISON.0").exists, what="POISON's first start")
+    assert stop(first) == 0
+    assert (
+        "shut down mid-attempt while isolated"
+        in q(db_engine, "SELECT last_error FROM enrichq.queue WHERE key = 'POISON'")[0][0]
+    )
+    second = spawn(["worker", "--drain"], env, log=tmp_path / "w2.log")
+    assert second.wait(120) == 0, (tmp_path / "w2.log").read_text()[-2000:]
+    _poison_isolated_to_the_end(db_engine, markers, keys)

@@ -476,3 +476,18 @@ def forks_and_hangs(ticket: Ticket, context: EnrichContext) -> Enrichment:
         os._exit(13)
     time.sleep(seconds)
     return tagged(ticket, context)
+
+
+def hangs_then_exits(ticket: Ticket, context: EnrichContext) -> Enrichment:
+    """Ticket POISON hangs ENRICHQ_TEST_SLOW_SECONDS, deaf to cancellation, on its first
+    start, and exits its process on every later one (each start is marked in
+    ENRICHQ_TEST_STARTED_DIR/POISON.<n>); other tickets are tagged."""
+    if ticket.id == "POISON":
+        marker = os.environ["ENRICHQ_TEST_STARTED_DIR"]
+        starts = [n for n in os.listdir(marker) if n.startswith("POISON.")]
+        with open(os.path.join(marker, f"POISON.{len(starts)}"), "w") as f:
+            f.write(str(os.getpid()))
+        if starts:
+            os._exit(13)
+        time.sleep(float(os.environ.get("ENRICHQ_TEST_SLOW_SECONDS", "600")))
+    return tagged(ticket, context)

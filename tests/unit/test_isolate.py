@@ -10,7 +10,7 @@ import pytest
 from enrichq_schema.states import LEASE_EXPIRED_ERROR
 from enrichq_service.enrich import ABORTED
 from enrichq_service.errors import TransientError
-from enrichq_service.isolate import CHILD_DIED, CHILD_RAN_PAST, is_suspect
+from enrichq_service.isolate import CHILD_DIED, CHILD_RAN_PAST, STOPPED_ISOLATED, is_suspect
 
 
 @pytest.mark.parametrize(
@@ -22,6 +22,9 @@ from enrichq_service.isolate import CHILD_DIED, CHILD_RAN_PAST, is_suspect
         # the child ran past the attempt while halving its tickets around a poison pill:
         # before, these neighbours ran in-process beside it next time, and died with it
         f"TransientError: {CHILD_RAN_PAST} 4 s",
+        # or the worker stopped it there, its deadline passed or at its shutdown
+        f"attempt deadline of 2 s exceeded {STOPPED_ISOLATED}",
+        f"worker shut down mid-attempt {STOPPED_ISOLATED}",
     ],
 )
 def test_a_job_whose_attempt_may_have_met_a_poison_pill_is_a_suspect(error: str) -> None:

@@ -113,6 +113,8 @@ class Held:
     phase: Phase = Phase.CLAIMED
     handed_at: float | None = None  # when its settlement went to the settler
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # set before its lookup runs in a child process (`isolate`)
+    isolated: bool = False
     # called (once) when the job is abandoned or lost: interrupts a running lookup
     _cancellers: list[Callable[[], None]] = field(default_factory=list)
 

@@ -280,6 +280,8 @@ class Runner:
         tickets = [h.ticket for h in held if h.ticket is not None]  # all are: _precheck
         values: Mapping[str, object]
         if isolated:
+            for h in held:
+                h.isolated = True
             try:
                 values = enrich_in_child(context, tickets)
             except Exception as exc:  # no child could be started (out of processes, say)

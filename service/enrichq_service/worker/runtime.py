@@ -26,6 +26,7 @@ from enrichq_schema.states import Component, Kind, Outcome, StopReason
 from enrichq_schema.tables import LEASED_KEY_INDEX
 from enrichq_service import queue as q
 from enrichq_service.enrich import EnricherChoice, choose, error_text, log_lookups, read_tickets
+from enrichq_service.isolate import STOPPED_ISOLATED
 from enrichq_service.terminal import say
 from enrichq_service.worker.admission import Admission
 from enrichq_service.worker.db import Backoff, ThreadConnection, is_unavailable
@@ -359,7 +360,9 @@ class Worker:
         for held in never:
             self.settler.put(Settlement(held, q.SettleAction.DEFER))
         for held in running:
-            self.settler.put(Settlement(held, q.SettleAction.RETRY, error=error))
+            # a suspect stopped in its child stays one: see isolate.is_suspect
+            said = f"{error} {STOPPED_ISOLATED}" if held.isolated else error
+            self.settler.put(Settlement(held, q.SettleAction.RETRY, error=said))
 
     def _idle_wait(self) -> float:
         wait = self.settings.poll_seconds
