@@ -164,16 +164,31 @@ def _run_child(context: EnrichContext, tickets: Sequence[Ticket]) -> Outcomes:
             out, _ = proc.communicate(json.dumps(request).encode(), timeout=timeout)
     except subprocess.TimeoutExpired:
         _kill(proc)
-        _reap(proc)
+        out = _reap(proc)
         _end_sessions(context.warehouse, name)
-        return _each(tickets, TransientError(f"{CHILD_RAN_PAST} {timeout:g} s"))
+        # an answer written in time, by a child that lingered after it (a thread its
+        # plug-in left running): its lookups ran and billed, and are charged as they came
+        return _answered(out, tickets) or _each(
+            tickets, TransientError(f"{CHILD_RAN_PAST} {timeout:g} s")
+        )
     if stopped.is_set():
         _end_sessions(context.warehouse, name)
-        return _each(tickets, TransientError(CANCELLED))
-    answers = _answers(out) if proc.returncode == 0 else None
-    if answers is None or not all(t.id in answers for t in tickets):
+        # the same for an answer read before the stop (the attempt abandoned, the lease
+        # lost): what lands of it is the worker's to say, what it cost is charged
+        return _answered(out, tickets) or _each(tickets, TransientError(CANCELLED))
+    answered = _answered(out, tickets) if proc.returncode == 0 else None
+    if answered is None:
         _end_sessions(context.warehouse, name)
         raise _ChildDied(proc.returncode)
+    return answered
+
+
+def _answered(out: bytes, tickets: Sequence[Ticket]) -> Outcomes | None:
+    """Each ticket's outcome from a child's whole answer; None if it answered not at all or
+    not for every ticket."""
+    answers = _answers(out)
+    if answers is None or not all(t.id in answers for t in tickets):
+        return None
     return {t.id: _outcome(answers[t.id]) for t in tickets}
 
 
@@ -183,15 +198,18 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _reap(proc: subprocess.Popen[bytes]) -> None:
+def _reap(proc: subprocess.Popen[bytes]) -> bytes:
     """Wait for a killed child, its output read to the end (a few seconds at most: a
-    process that left its group may still hold the pipe, and is not waited for)."""
+    process that left its group may still hold the pipe, and is not waited for); what it
+    wrote, or nothing if its pipe did not end."""
     try:
-        proc.communicate(timeout=REAP_SECONDS)
+        out, _ = proc.communicate(timeout=REAP_SECONDS)
     except subprocess.TimeoutExpired:
         assert proc.stdout is not None
         proc.stdout.close()
         proc.wait()
+        return b""
+    return out or b""
 
 
 def _answers(out: bytes) -> dict[str, Any] | None:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -623,3 +624,88 @@ def test_a_suspect_stopped_in_a_child_by_a_shutdown_stays_a_suspect(
     second = spawn(["worker", "--drain"], env, log=tmp_path / "w2.log")
     assert second.wait(120) == 0, (tmp_path / "w2.log").read_text()[-2000:]
     _poison_isolated_to_the_end(db_engine, markers, keys)
+
+
+def test_an_isolated_answer_given_before_its_lease_was_lost_is_charged(
+    db_url: str,
+    db_engine: sa.Engine,
+    markers: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A suspect's child answers (a lookup billing 777 bytes), then lingers; an operator
+    cancels the row, so the heartbeat finds the lease gone and the child is killed. The
+    answer was already read: its lookup is logged and charged with its bytes (not dropped
+    as a stopped child's 0), and nothing of it lands."""
+    [key] = seeded(db_engine, 1)
+    execute(
+        db_engine,
+        "UPDATE enrichq.queue SET attempts = 1, max_attempts = 3, last_error = :e",
+        e=LEASE_EXPIRED_ERROR,
+    )
+    worker = spawn(
+        ["worker", "--drain"],
+        enrichq_env(
+            db_url,
+            enricher="tests.support.enrichers:answers_then_lingers",
+            ENRICHQ_TEST_STARTED_DIR=markers,
+            ENRICHQ_TEST_SLOW_SECONDS=120,
+            lease_seconds=4,
+            heartbeat_seconds=0.5,
+            poll_seconds=0.2,
+        ),
+        log=tmp_path / "w.log",
+    )
+    try:
+        wait_for((markers / key).exists, what="the child's answer")
+        time.sleep(0.5)  # the answer written, the child waits for its plug-in's thread
+        monkeypatch.setenv("ENRICHQ_DATABASE_URL", db_url)
+        assert main(["cancel", "--key", key, "--actor", "ops"]) == 0
+        assert worker.wait(60) == 0, (tmp_path / "w.log").read_text()[-2000:]
+    finally:
+        stop(worker)
+    assert q(db_engine, "SELECT state, dead_reason FROM enrichq.queue") == [
+        ("dead_letter", "cancelled")
+    ]
+    assert q(db_engine, "SELECT count(*) FROM enrichq.ticket_orders") == [(0,)]
+    assert q(db_engine, "SELECT status, bytes_billed, job_id FROM enrichq.lookup_log") == [
+        ("ok", 777, f"job-{key}")
+    ]
+
+
+def test_an_isolated_answer_given_in_time_by_a_child_that_lingers_is_charged(
+    db_url: str, db_engine: sa.Engine, markers: Path, tmp_path: Path
+) -> None:
+    """The same child, with no one cancelling: it answers at once and lingers past the
+    attempt's deadline, where the worker's deadline or the child's own time (whichever
+    comes first) kills it. Every attempt's lookup is charged its 777 bytes."""
+    seeded(db_engine, 1)
+    execute(
+        db_engine,
+        "UPDATE enrichq.queue SET attempts = 1, max_attempts = 3, last_error = :e",
+        e=LEASE_EXPIRED_ERROR,
+    )
+    worker = spawn(
+        ["worker", "--drain"],
+        enrichq_env(
+            db_url,
+            enricher="tests.support.enrichers:answers_then_lingers",
+            ENRICHQ_TEST_STARTED_DIR=markers,
+            ENRICHQ_TEST_SLOW_SECONDS=120,
+            attempt_deadline_seconds=2,
+            backoff_base_seconds=0,
+            backoff_cap_seconds=0,
+        ),
+        log=tmp_path / "w.log",
+    )
+    assert worker.wait(120) == 0, (tmp_path / "w.log").read_text()[-2000:]
+    logged = q(db_engine, "SELECT status, bytes_billed FROM enrichq.lookup_log")
+    assert logged, "no lookup logged"
+    assert set(logged) == {("ok", 777)}, logged
+    state, written = q(
+        db_engine,
+        "SELECT state, (SELECT count(*) FROM enrichq.ticket_orders) FROM enrichq.queue",
+    )[0]
+    # its result lands when the child's time ran out first (the answer came in time), or
+    # never, every attempt abandoned by the worker's deadline
+    assert (state, written) in {("done", 1), ("dead_letter", 0)}

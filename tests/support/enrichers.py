@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 import zlib
 from collections.abc import Mapping, Sequence
@@ -491,3 +492,16 @@ def hangs_then_exits(ticket: Ticket, context: EnrichContext) -> Enrichment:
             os._exit(13)
         time.sleep(float(os.environ.get("ENRICHQ_TEST_SLOW_SECONDS", "600")))
     return tagged(ticket, context)
+
+
+def answers_then_lingers(ticket: Ticket, context: EnrichContext) -> Enrichment:
+    """A result billing 777 bytes, given at once; but a thread it leaves behind keeps its
+    process alive ENRICHQ_TEST_SLOW_SECONDS after it (Python waits for it at exit). The
+    answer's moment is marked in ENRICHQ_TEST_STARTED_DIR/<ticket id>."""
+    threading.Thread(
+        target=time.sleep, args=(float(os.environ.get("ENRICHQ_TEST_SLOW_SECONDS", "600")),)
+    ).start()
+    marker = os.environ["ENRICHQ_TEST_STARTED_DIR"]
+    with open(os.path.join(marker, ticket.id), "w") as f:
+        f.write(str(os.getpid()))
+    return Enrichment((Order(f"O-{ticket.id}"),), job_id=f"job-{ticket.id}", bytes_billed=777)
