@@ -15,6 +15,10 @@ from enrichq_service.worker.db import Backoff
 
 log = logging.getLogger(__name__)
 
+# how often the wait for a notification looks at its stop: the worker's stop (the end of a
+# --drain run, a SIGTERM) joins this thread, and waited up to a second for it
+STOP_CHECK_SECONDS = 0.1
+
 
 def listen(
     connect_params: Mapping[str, Any], wake: Callable[[], None], stop: threading.Event
@@ -30,7 +34,7 @@ def listen(
                 conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
                 backoff.reset()
                 while not stop.is_set():
-                    for _ in conn.notifies(timeout=1.0, stop_after=1):
+                    for _ in conn.notifies(timeout=STOP_CHECK_SECONDS, stop_after=1):
                         wake()
         except psycopg.Error as exc:
             log.info("LISTEN connection lost (%s); polling meanwhile", type(exc).__name__)
