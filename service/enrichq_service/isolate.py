@@ -64,16 +64,19 @@ GROUP_STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
 Outcomes = dict[str, Enrichment | BaseException | Surcharge]
 
 
-def is_suspect(attempts: int, last_error: str | None) -> bool:
-    """Did this job's previous attempt end with its process vanishing?"""
+def is_suspect(attempts: int, last_error: str | None, max_attempts: int | None = None) -> bool:
+    """Did this job's previous attempt end with its process vanishing, or may it have?"""
     error = last_error or ""
     vanished = error == LEASE_EXPIRED_ERROR or CHILD_DIED in error
-    # a child that ran out of the attempt's time may have been halving around a poison pill
-    # that was never isolated: its tickets stay suspects, or the next attempt would run
-    # them in-process beside it
-    # (and so may one the worker stopped, by its deadline or at shutdown, in its child)
-    ran_past = CHILD_RAN_PAST in error or STOPPED_ISOLATED in error
-    return attempts > 1 and (vanished or ABORTED in error or ran_past)
+    # a child that ran out of the attempt's time, or that the worker stopped (its deadline,
+    # its shutdown), may have been halving around a poison pill that was never isolated:
+    # its tickets stay suspects, or the next attempt would run them in-process beside it.
+    # Except on the last attempt: a ticket whose child cannot answer within the deadline
+    # (a child's start and its batch take longer) is run in-process then, not
+    # dead-lettered for being slow to isolate
+    inconclusive = CHILD_RAN_PAST in error or STOPPED_ISOLATED in error
+    last = max_attempts is not None and attempts >= max_attempts
+    return attempts > 1 and (vanished or ABORTED in error or (inconclusive and not last))
 
 
 def enrich_in_child(context: EnrichContext, tickets: Sequence[Ticket]) -> Outcomes:
@@ -411,4 +414,10 @@ def _child() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_child())
+    code = _child()
+    # answered (its channel closed): the child ends now, without waiting for what its
+    # plug-in left behind (a thread that runs on would keep the answer from its worker
+    # until the attempt's time ran out; its process group is killed after it anyway)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

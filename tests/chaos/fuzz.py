@@ -754,8 +754,8 @@ def _check_lookups(d: Draw, engine: sa.Engine, behaviour: dict[str, str], logs: 
     """The lookup log against what the plug-in did: the completing attempt logged with its
     bytes; never more results or bytes logged than calls returned; in a draw that lost
     nothing, every returned call logged with its bytes. (An attempt whose isolated child
-    died or ran out of time is logged as an error of 0 bytes, whether its plug-in ran or
-    not.)"""
+    died or ran out of time before its whole answer was read is logged as an error of 0
+    bytes, whether its plug-in ran or not.)"""
     billed = dict(zip(behaviour, d.bytes, strict=True))
     starts, returned, _ = _calls(logs)
     for ticket, n in q(
@@ -825,8 +825,10 @@ def _check_exits(d: Draw, h: Harness) -> list[str]:
     bad = []
     for p in h.procs:
         ok = {"killed": {-9}, "terminated": {0}, "stopped": {0}}.get(p.fate, set())
-        if p.role == "worker" and d.process_loss and p.fate != "killed":
-            ok = ok | {EXIT_CODE}  # the plug-in's exit, also while the worker was stopping
+        if p.role == "worker" and d.process_loss:
+            # the plug-in's exit, also while the worker was stopping, or just before a
+            # SIGKILL meant for it (the victim was chosen alive, and exited first)
+            ok = ok | {EXIT_CODE}
         if p.fate == "died" and any(a - 5 <= p.started <= b for a, b in h.down):
             ok = ok | {1}  # its start-up found the database unreachable
         if p.code not in ok:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 import zlib
@@ -505,3 +506,13 @@ def answers_then_lingers(ticket: Ticket, context: EnrichContext) -> Enrichment:
     with open(os.path.join(marker, ticket.id), "w") as f:
         f.write(str(os.getpid()))
     return Enrichment((Order(f"O-{ticket.id}"),), job_id=f"job-{ticket.id}", bytes_billed=777)
+
+
+def slow_in_a_child(ticket: Ticket, context: EnrichContext) -> Enrichment:
+    """Tagged at once in the worker's process; in an isolated child, first hangs
+    ENRICHQ_TEST_SLOW_SECONDS, deaf to cancellation (a child that cannot answer within the
+    attempt's deadline)."""
+    main = sys.modules["__main__"]
+    if main.__spec__ is not None and main.__spec__.name == "enrichq_service.isolate":
+        time.sleep(float(os.environ.get("ENRICHQ_TEST_SLOW_SECONDS", "600")))
+    return tagged(ticket, context)

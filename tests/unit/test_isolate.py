@@ -31,6 +31,15 @@ def test_a_job_whose_attempt_may_have_met_a_poison_pill_is_a_suspect(error: str)
     assert is_suspect(2, error)
 
 
+def test_an_inconclusive_isolated_attempt_keeps_a_suspect_but_for_its_last_attempt() -> None:
+    for error in (f"TransientError: {CHILD_RAN_PAST} 4 s", f"worker stopped {STOPPED_ISOLATED}"):
+        assert is_suspect(2, error, 3)
+        assert not is_suspect(3, error, 3)  # the last: in-process, not dead-lettered for it
+    # a process that vanished is isolated to the end
+    assert is_suspect(3, LEASE_EXPIRED_ERROR, 3)
+    assert is_suspect(3, f"TransientError: {CHILD_DIED} (exit 13)", 3)
+
+
 @pytest.mark.parametrize(
     "error", [None, "TransientError: warehouse busy", "attempt deadline of 300 s exceeded"]
 )

@@ -31,7 +31,7 @@ from enrichq_service.enrich import (
     validate,
 )
 from enrichq_service.errors import Deferral, PermanentError, TransientError
-from enrichq_service.isolate import enrich_in_child, is_suspect
+from enrichq_service.isolate import STOPPED_ISOLATED, enrich_in_child, is_suspect
 from enrichq_service.queue import SettleAction
 from enrichq_service.worker.admission import (
     NOT_NEEDED,
@@ -251,7 +251,7 @@ class Runner:
             suspects: list[Held] = []
             rest: list[Held] = []
             for held in ready:
-                suspect = is_suspect(held.job.attempts, held.job.last_error)
+                suspect = is_suspect(held.job.attempts, held.job.last_error, held.job.max_attempts)
                 (suspects if suspect else rest).append(held)
             if suspects:
                 # their last worker vanished mid-attempt: one of them may be what killed it
@@ -285,7 +285,9 @@ class Runner:
             try:
                 values = enrich_in_child(context, tickets)
             except Exception as exc:  # no child could be started (out of processes, say)
-                return [JobEnrichment(h, exc) for h in held]
+                # inconclusive: they stay suspects (isolate.is_suspect)
+                error = TransientError(f"{error_text(exc)} {STOPPED_ISOLATED}")
+                return [JobEnrichment(h, error) for h in held]
         else:
             values = enrich_all(self._enricher, tickets, context)
             if _aborted_batch(values) and not cancelled.is_set():

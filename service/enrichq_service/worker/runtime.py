@@ -26,7 +26,7 @@ from enrichq_schema.states import Component, Kind, Outcome, StopReason
 from enrichq_schema.tables import LEASED_KEY_INDEX
 from enrichq_service import queue as q
 from enrichq_service.enrich import EnricherChoice, choose, error_text, log_lookups, read_tickets
-from enrichq_service.isolate import STOPPED_ISOLATED
+from enrichq_service.isolate import STOPPED_ISOLATED, is_suspect
 from enrichq_service.terminal import say
 from enrichq_service.worker.admission import Admission
 from enrichq_service.worker.db import Backoff, ThreadConnection, is_unavailable
@@ -361,7 +361,10 @@ class Worker:
             self.settler.put(Settlement(held, q.SettleAction.DEFER))
         for held in running:
             # a suspect stopped in its child stays one: see isolate.is_suspect
-            said = f"{error} {STOPPED_ISOLATED}" if held.isolated else error
+            # (or one about to be: stopped before its runner marked it)
+            job = held.job
+            suspect = held.isolated or is_suspect(job.attempts, job.last_error, job.max_attempts)
+            said = f"{error} {STOPPED_ISOLATED}" if suspect else error
             self.settler.put(Settlement(held, q.SettleAction.RETRY, error=said))
 
     def _idle_wait(self) -> float:
