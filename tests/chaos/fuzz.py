@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import random
 import shutil
@@ -62,6 +63,7 @@ import sqlalchemy as sa
 
 from enrichq_schema.db import create_engine
 from enrichq_schema.states import LEASE_EXPIRED_ERROR
+from enrichq_service.worker.runtime import DEADLINE_EXCEEDED
 from tests.chaos.scenarios import AUDIT
 from tests.support.behaviours import BEHAVIOURS, EXIT_CODE, UNASKED_BYTES
 from tests.support.commit_cutter import CommitCutter
@@ -101,6 +103,7 @@ FAULT_GAP = (0.3, 2.5)
 CLAIM_TEXT = b"INSERT INTO enrichq.tenant_served"
 SETTLE_TEXT = b"INSERT INTO enrichq.lookup_log"
 BYTES = {"zero": 0, "normal": 1000, "enormous": 2**40}
+ISOLATED_CHILD_SECONDS = 0.4  # one isolated child's start and answer (README, settings)
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,14 @@ class Draw:
     @property
     def unit_size(self) -> int:
         return 50 if self.mode == "batch_50" else 1
+
+    @property
+    def deadline_below_isolation(self) -> bool:
+        """Is the attempt's deadline shorter than isolating a poison pill among a unit's
+        suspects takes, as the README's settings table gives it (1 + 2 * ceil(log2 unit)
+        children of about 0.4 s)? Then suspects' attempts end by the deadline."""
+        children = 1 + 2 * math.ceil(math.log2(self.unit_size))
+        return self.deadline_seconds < children * ISOLATED_CHILD_SECONDS
 
     @property
     def unasked_answers(self) -> bool:
@@ -716,6 +727,12 @@ def _check_tickets(d: Draw, engine: sa.Engine, behaviour: dict[str, str]) -> lis
                 # its last attempt lost with its worker or connection (the lease expired,
                 # attempts count at claim): dead-lettered for that, its own reason unseen
                 or (d.lossy and state == "dead_letter" and last_error == LEASE_EXPIRED_ERROR)
+                # or stopped by a deadline too short for its unit's suspects, as documented
+                or (
+                    d.deadline_below_isolation
+                    and state == "dead_letter"
+                    and last_error.startswith(DEADLINE_EXCEEDED.split("{", 1)[0])
+                )
             )
         ):
             why = f"{state}, last_error {str(last_error)[:100]!r}"
