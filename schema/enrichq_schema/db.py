@@ -27,6 +27,12 @@ R = TypeVar("R", bound="DataclassInstance")
 RACE_RERUNS = 5
 # psycopg's prepare_threshold: never prepare by itself, yet honour execute(prepare=True)
 NEVER_AUTO_PREPARE = 2**31 - 1
+# How often the server looks, while a statement runs, whether its client is still there
+# (client_connection_check_interval, PostgreSQL 14+). Without it a statement whose process
+# was killed runs on to its end: a killed worker's warehouse query beside the lookup that
+# took its slot under ENRICHQ_WAREHOUSE_MAX_CONCURRENCY, a killed operator's `cancel` page
+# to its commit. Well under the shortest lease, so the query is gone before the slot.
+CLIENT_CHECK_INTERVAL_MS = 500
 
 # `enrichq migrate`: how long a revision may wait for a table lock, how many times it is
 # tried, and the pause between tries (in which the writers queued behind it get through).
@@ -95,7 +101,10 @@ def create_engine(
     # Every session reads and writes times in UTC, whatever the server's or the database's
     # TimeZone: a time enrichq shows as UTC is UTC, and a date cut from a timestamptz is a
     # UTC day.
-    settings: dict[str, str] = {"TimeZone": "UTC"}
+    settings: dict[str, str] = {
+        "TimeZone": "UTC",
+        "client_connection_check_interval": str(CLIENT_CHECK_INTERVAL_MS),
+    }
     if statement_timeout_seconds is not None:
         settings["statement_timeout"] = str(int(statement_timeout_seconds * 1000))
     if idle_in_transaction_timeout_seconds is not None:

@@ -398,6 +398,7 @@ def _child() -> int:
         request["warehouse_url"],
         application_name=request["application_name"],
         pool_size=1,
+        statement_timeout_seconds=seconds,  # none of its queries outlives the child's time
     )
     try:
         outcomes = enrich_all(

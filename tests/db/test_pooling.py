@@ -8,7 +8,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 from tests.support.settings import make_settings
 
-from enrichq_schema.db import create_engine
+from enrichq_schema.db import CLIENT_CHECK_INTERVAL_MS, create_engine
 from enrichq_schema.pooling import network_params, transaction_pooled
 from enrichq_schema.states import PoolMode
 from enrichq_service import queue
@@ -52,6 +52,9 @@ def test_every_transaction_runs_with_the_settings(db_url: str, mode: PoolMode) -
                 assert conn.execute(sa.text("SHOW statement_timeout")).scalar_one() == "7s"
             with conn.begin():  # no parameters: do_execute_no_params
                 assert conn.exec_driver_sql("SHOW statement_timeout").scalar_one() == "7s"
+            with conn.begin():  # every engine's: a statement whose process died ends
+                check = conn.execute(sa.text("SHOW client_connection_check_interval"))
+                assert check.scalar_one() == f"{CLIENT_CHECK_INTERVAL_MS}ms"
     finally:
         eng.dispose()
 

@@ -428,3 +428,71 @@ def test_lookups_that_bill_nothing_run_side_by_side_under_a_budget(
     assert most_at_once(calls(started)) == 4
     assert capped == 0
     assert q(db_engine, "SELECT bytes_billed, lookups FROM enrichq.budget_ledger") == [(0, 12)]
+
+
+def warehouse_sleeps(engine: sa.Engine) -> list[tuple[int, float]]:
+    """The warehouse queries running now (a plug-in's pg_sleep): (backend pid, seconds)."""
+    return [
+        (pid, float(seconds))
+        for pid, seconds in q(
+            engine,
+            "SELECT pid, extract(epoch FROM now() - query_start) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND state = 'active'"
+            " AND application_name = 'enrichq-warehouse' AND query LIKE '%pg_sleep%'",
+        )
+    ]
+
+
+@pytest.mark.parametrize("fault", ["sigkill", "sigstop"])
+def test_a_plug_ins_warehouse_query_does_not_outlive_its_slot(
+    db_url: str, db_engine: sa.Engine, tmp_path: Path, fault: str
+) -> None:
+    """Cap 1, lease 4 s, a 3 s attempt deadline, a plug-in whose own warehouse query sleeps
+    600 s deaf to cancellation. The worker is killed with SIGKILL, or frozen with SIGSTOP,
+    while the query runs: the worker's slot expires within a lease, so the query must be
+    gone by then, or another worker's lookup would run beside it. Killed: the server ends
+    a query whose client is gone. Frozen: the query's statement timeout (the attempt
+    deadline) ends it, within the slot's life. (Before: the query ran on for its 600 s,
+    and the fuzz harness saw 3 queries at once under a cap of 2, seed 8049.)"""
+    lease, deadline = 4.0, 3.0
+    seeded(db_engine, 1)
+    worker = spawn(
+        ["worker"],
+        enrichq_env(
+            db_url,
+            enricher="tests.support.enrichers:slow_query",
+            concurrency=1,
+            warehouse_max_concurrency=1,
+            lease_seconds=lease,
+            heartbeat_seconds=1,
+            attempt_deadline_seconds=deadline,
+            poll_seconds=0.5,
+            ENRICHQ_TEST_SLOW_SECONDS=600,
+        ),
+        log=tmp_path / "w.log",
+    )
+    try:
+        [(backend, _)] = wait_for(
+            lambda: warehouse_sleeps(db_engine), timeout=30, what="the plug-in's query"
+        )
+        [(expires_in,)] = q(
+            db_engine,
+            "SELECT extract(epoch FROM max(expires_at) - now()) FROM enrichq.lookups_in_flight",
+        )
+        struck = time.monotonic()
+        os.kill(worker.pid, signal.SIGKILL if fault == "sigkill" else signal.SIGSTOP)
+        wait_for(
+            lambda: backend not in [pid for pid, _ in warehouse_sleeps(db_engine)],
+            timeout=30,
+            interval=0.1,
+            what="the query to end",
+        )
+        gone_after = time.monotonic() - struck
+        # the slot lives at least until then: the lease from its admission, or its last
+        # heartbeat, which can only come later
+        assert gone_after < float(expires_in), (gone_after, expires_in)
+    finally:
+        if worker.poll() is None:
+            os.kill(worker.pid, signal.SIGCONT)
+            worker.kill()
+            worker.wait(10)

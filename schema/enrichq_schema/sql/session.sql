@@ -5,9 +5,11 @@
 -- name: session_apply
 -- Sets each :names[i] to :values[i], for the rest of the session (:local false) or of the
 -- current transaction only (:local true); returns how many were set. One round trip for
--- all of an engine's settings.
+-- all of an engine's settings. A parameter the server does not know is left out (an
+-- older server's: client_connection_check_interval came with PostgreSQL 14).
 SELECT count(set_config(s.name, s.value, CAST(:local AS boolean))) AS applied
-FROM unnest(CAST(:names AS text[]), CAST(:values AS text[])) AS s (name, value);
+FROM unnest(CAST(:names AS text[]), CAST(:values AS text[])) AS s (name, value)
+WHERE current_setting(s.name, true) IS NOT NULL;
 
 
 -- name: session_backend

@@ -60,7 +60,14 @@ def build_engines(settings: Settings, url: str) -> WorkerEngines:
         generic_plans=True,
         asynchronous_commit=True,
     )
+    # No warehouse statement outlives its attempt's deadline, the plug-in's own queries
+    # included (the built-in lookup sets what is left of it per lookup): a worker frozen
+    # with a query running loses its slot a lease after its last heartbeat, and the
+    # query must not run on beside the next lookup for longer than that deadline.
     warehouse = warehouse_engine(
-        settings, settings.warehouse_url or url, pool_size=settings.concurrency
+        settings,
+        settings.warehouse_url or url,
+        pool_size=settings.concurrency,
+        statement_timeout_seconds=settings.attempt_deadline_seconds,
     )
     return WorkerEngines(queue, claims, warehouse)
