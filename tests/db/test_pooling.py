@@ -9,7 +9,7 @@ from sqlalchemy.engine import make_url
 from tests.support.settings import make_settings
 
 from enrichq_schema.db import CLIENT_CHECK_INTERVAL_MS, create_engine
-from enrichq_schema.pooling import network_params, transaction_pooled
+from enrichq_schema.pooling import install, network_params, transaction_pooled
 from enrichq_schema.states import PoolMode
 from enrichq_service import queue
 from enrichq_service.queue import EnqueueRequest
@@ -76,6 +76,20 @@ def test_transaction_mode_sets_nothing_on_the_session(db_url: str) -> None:
             assert raw_show(conn) == ("7s", "9s", "off", "force_generic_plan")
     finally:
         direct.dispose()
+
+
+@pytest.mark.parametrize("mode", list(PoolMode), ids=lambda m: m.value)
+def test_a_parameter_the_server_does_not_know_is_left_out(db_url: str, mode: PoolMode) -> None:
+    """client_connection_check_interval came with PostgreSQL 14: on an older server the
+    session's other settings still apply and the connection still works (a parameter it
+    does not know, here a made-up one, is left out instead of failing every session)."""
+    eng = sa.create_engine(make_url(db_url).set(drivername="postgresql+psycopg"), pool_size=1)
+    install(eng, mode, {"statement_timeout": "7000", "no_such_parameter": "1"})
+    try:
+        with eng.connect() as conn, conn.begin():
+            assert conn.execute(sa.text("SHOW statement_timeout")).scalar_one() == "7s"
+    finally:
+        eng.dispose()
 
 
 def prepared(conn: sa.Connection) -> int:
