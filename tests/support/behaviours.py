@@ -311,6 +311,7 @@ def batch(
         _record(f"start {t.id}")
     outcomes: dict[str, Any] = {}
     surcharge: dict[str, int] = {}
+    answered = False  # a call that raises returns nothing, whatever it had computed
     try:
         _slow(context)
         behaviours = {t.id: _table().get(t.id, {}).get("behaviour") for t in tickets}
@@ -338,7 +339,9 @@ def batch(
             extra = UNASKED_BYTES * (1 + bool(others))
             share, rest = divmod(extra, len(tickets))
             surcharge = {t.id: share + (i < rest) for i, t in enumerate(tickets)}
+        answered = True
     finally:
         for t in tickets:
-            _record(f"end {t.id} {billed(outcomes.get(t.id)) + surcharge.get(t.id, 0)}")
+            got = billed(outcomes.get(t.id)) + surcharge.get(t.id, 0) if answered else 0
+            _record(f"end {t.id} {got}")
     return outcomes
