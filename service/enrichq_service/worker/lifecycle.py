@@ -163,11 +163,18 @@ class Jobs:
             del self._held[held.claim]
         return before, held.phase
 
-    def start(self, held: Sequence[Held]) -> list[Held]:
-        """Start the jobs that may still start (claimed); the others never will."""
+    def start(self, held: Sequence[Held], now: float) -> list[Held]:
+        """Start the jobs that may still start: claimed, and within their deadline at `now`;
+        the others never will. One whose deadline passed while it waited to start (for a
+        warehouse slot, through a database outage that kept the claim loop from seeing it
+        overdue) stays claimed, for `overdue` to defer with its attempt given back: waiting
+        is not running, and started now it would only be abandoned, its attempt spent."""
         with self._lock:
             return [
-                h for h in held if self._apply(h, JobEvent.START) == (Phase.CLAIMED, Phase.STARTED)
+                h
+                for h in held
+                if h.deadline > now
+                and self._apply(h, JobEvent.START) == (Phase.CLAIMED, Phase.STARTED)
             ]
 
     def hand_off(self, held: Held, *, finished: bool) -> bool:

@@ -209,7 +209,7 @@ class Runner:
                 for held in ready:
                     self._hand_off(held, _settlement_for(held, exc, None), finished=False)
                 return
-            started = self._jobs.start(ready)
+            started = self._jobs.start(ready, time.monotonic())
             if not started:
                 self._admission.give_back(admitted)
                 return
