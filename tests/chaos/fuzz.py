@@ -282,7 +282,8 @@ class Result:
 
 class Observer:
     """Samples how many warehouse queries run at once, from pg_stat_activity: the workers'
-    and their isolated children's (named `enrichq-isolated-…`)."""
+    and their isolated children's (named `enrichq-isolated-…`), but for the statement by
+    which a worker ends a dead child's sessions (`isolate_end_child_sessions`)."""
 
     def __init__(self, url: str, cap: int) -> None:
         self.engine = create_engine(url, pool_size=1)
@@ -306,6 +307,8 @@ class Observer:
                                 " WHERE datname = current_database() AND state = 'active'"
                                 " AND (application_name = 'enrichq-warehouse'"
                                 "      OR application_name LIKE 'enrichq-isolated-%')"
+                                # a worker ending a dead child's sessions: no lookup
+                                " AND query NOT LIKE '%pg_terminate_backend(%'"
                             )
                         ).all()
                         seen = time.monotonic()
