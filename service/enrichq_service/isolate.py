@@ -235,6 +235,11 @@ def _end_sessions(warehouse: sa.Engine, name: str) -> None:
         return
     try:
         with warehouse.connect() as conn:
+            # its wait, not the attempt deadline the worker's warehouse sessions run under
+            conn.execute(
+                SQL("enrich_statement_timeout"),
+                {"timeout_ms": str(int((END_SESSIONS_SECONDS + 1) * 1000))},
+            )
             ended = conn.execute(
                 SQL("isolate_end_child_sessions"),
                 {"name": name, "timeout_ms": int(END_SESSIONS_SECONDS * 1000)},

@@ -415,3 +415,59 @@ def test_an_isolated_child_does_not_outlive_its_worker_killed_by_sigkill(
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(worker.pid, signal.SIGKILL)
+
+
+def test_a_dead_childs_sessions_are_waited_for_past_the_attempt_deadline(
+    db_url: str, db_engine: sa.Engine
+) -> None:
+    """The worker's warehouse sessions run under a statement timeout of the attempt
+    deadline (1 s here). Ending a dead child's session waits for it to be gone (up to
+    END_SESSIONS_SECONDS), and a backend slow to go (here stopped, let go after 2.5 s)
+    must not cut that wait short at the deadline: the slot would be released while the
+    child's query still ran."""
+    from enrichq_service.isolate import END_SESSIONS_SECONDS, _end_sessions
+
+    name = "enrichq-isolated-slowtogo"
+    child = sa.create_engine(
+        sa.make_url(db_url).set(drivername="postgresql+psycopg"),
+        connect_args={"application_name": name},
+        poolclass=sa.pool.NullPool,
+    )
+    settings = make_settings(db_url, attempt_deadline_seconds=1)
+    engine = warehouse_engine(settings, db_url, statement_timeout_seconds=1)
+    conn = child.connect()
+    try:
+
+        def sleep() -> None:
+            with contextlib.suppress(sa.exc.DBAPIError):  # its session is ended
+                conn.execute(sa.text("SELECT pg_sleep(60)"))
+
+        sleeper = threading.Thread(target=sleep, daemon=True)
+        [(backend,)] = q(
+            db_engine, "SELECT pid FROM pg_stat_activity WHERE application_name = :n", n=name
+        )
+        sleeper.start()
+        wait_for(
+            lambda: q(
+                db_engine,
+                "SELECT 1 FROM pg_stat_activity WHERE pid = :p AND state = 'active'",
+                p=backend,
+            ),
+            what="the child's query",
+        )
+        os.kill(backend, signal.SIGSTOP)
+        released = threading.Timer(2.5, lambda: os.kill(backend, signal.SIGCONT))
+        released.start()
+        began = time.monotonic()
+        _end_sessions(engine, name)
+        took = time.monotonic() - began
+        still_there = alive(backend)  # before: cut short at 1 s, stopped, until 2.5 s
+        released.join()
+        assert not still_there, f"returned after {took:.1f} s with the session still there"
+        assert took < END_SESSIONS_SECONDS + 1
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(backend, signal.SIGCONT)
+        conn.close()
+        child.dispose()
+        engine.dispose()
