@@ -74,7 +74,7 @@ def test_one_unstorable_job_fails_alone_and_the_settler_goes_on(
     jobs = Jobs()
     held = [Held(job, None, deadline=float("inf")) for job in claimed]
     jobs.add(held)
-    jobs.start(held, now=time.monotonic())
+    jobs.start(held, now=time.monotonic(), run_seconds=float("inf"))
     counts: Counter[str] = Counter()
     settler = Settler(
         db_engine,
@@ -149,7 +149,7 @@ def test_the_settlements_of_one_lookup_are_never_split_between_groups(
     jobs = Jobs()
     held = [Held(job, None, deadline=float("inf")) for job in claimed]
     jobs.add(held)
-    jobs.start(held, now=time.monotonic())
+    jobs.start(held, now=time.monotonic(), run_seconds=float("inf"))
     settler = Settler(
         db_engine, make_settings(db_url), OWNER, jobs, counted=lambda o, n: None, freed=lambda: None
     )

@@ -332,6 +332,59 @@ def test_a_job_waiting_for_a_slot_past_its_deadline_is_deferred_with_its_attempt
     assert q(db_engine, "SELECT count(*) FROM enrichq.lookup_log") == [(1,)]
 
 
+def test_an_attempt_admitted_late_still_has_its_whole_deadline_to_run(
+    db_url: str, db_engine: sa.Engine, tmp_path: Path
+) -> None:
+    """Cap 1, taken by another holder until half a second after the claim; a one-second
+    attempt deadline, a call of 0.8 s, one attempt. The deadline bounds running, which
+    begins at the admission: the job is done on its attempt. (It counted from the claim:
+    the call was abandoned 0.5 s in, 'attempt deadline of 1 s exceeded', and the ticket
+    dead-lettered; the fault harness's seed 10007 dead-lettered a ticket so, with the
+    deadline in place of its own error.)"""
+    seeded(db_engine, 1)
+    with db_engine.begin() as conn:
+        conn.execute(sa.text("UPDATE enrichq.queue SET max_attempts = 1"))
+        conn.execute(
+            sa.text(
+                "INSERT INTO enrichq.lookups_in_flight"
+                " (token, owner, reserved_bytes, started_at, expires_at)"
+                " VALUES (gen_random_uuid(), 'other:1:x', 0, now(), now() + interval '5 min')"
+            )
+        )
+    worker = spawn(
+        ["worker"],
+        enrichq_env(
+            db_url,
+            batch_enricher=PROBE,
+            warehouse_max_concurrency=1,
+            attempt_deadline_seconds=1,
+            poll_seconds=0.2,
+            ENRICHQ_TEST_SLOW_SECONDS=0.8,
+            ENRICHQ_TEST_STARTED_DIR=tmp_path,
+        ),
+        log=tmp_path / "w.log",
+    )
+    try:
+        wait_for(
+            lambda: q(db_engine, "SELECT state FROM enrichq.queue") == [("leased",)],
+            interval=0.01,
+            what="the claim",
+        )
+        time.sleep(0.5)
+        execute(db_engine, "DELETE FROM enrichq.lookups_in_flight WHERE owner = 'other:1:x'")
+        wait_for(
+            lambda: q(db_engine, "SELECT state FROM enrichq.queue") != [("leased",)],
+            timeout=30,
+            what="the attempt to end",
+        )
+        assert q(db_engine, "SELECT state, attempts, last_error FROM enrichq.queue") == [
+            ("done", 1, None)
+        ]
+    finally:
+        code = stop(worker)
+    assert code == 0
+
+
 def test_an_abandoned_lookup_that_keeps_running_keeps_its_slot(
     db_url: str, db_engine: sa.Engine, tmp_path: Path
 ) -> None:

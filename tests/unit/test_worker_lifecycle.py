@@ -81,7 +81,7 @@ def test_an_overdue_job_that_never_started_is_deferred_and_never_starts() -> Non
     never, running = jobs.overdue(time.monotonic())
     assert (never, running) == ([a], [])
     assert a.phase is Phase.SETTLING
-    assert jobs.start([a], now=0.0) == []
+    assert jobs.start([a], now=0.0, run_seconds=60.0) == []
 
 
 def test_a_job_whose_deadline_passed_before_it_started_never_starts() -> None:
@@ -93,20 +93,31 @@ def test_a_job_whose_deadline_passed_before_it_started_never_starts() -> None:
     jobs = Jobs()
     a = held(1, deadline=10.0)
     jobs.add([a])
-    assert jobs.start([a], now=10.0) == []
+    assert jobs.start([a], now=10.0, run_seconds=60.0) == []
     assert a.phase is Phase.CLAIMED
     never, running = jobs.overdue(10.0)
     assert (never, running) == ([a], [])
     b = held(2, deadline=10.0)
     jobs.add([b])
-    assert jobs.start([b], now=9.5) == [b]  # still its time: it starts
+    assert jobs.start([b], now=9.5, run_seconds=60.0) == [b]  # still its time: it starts
+
+
+def test_a_started_job_has_its_whole_deadline_to_run() -> None:
+    """The attempt deadline bounds running: a job that waited (for a warehouse slot) and
+    started just before its claim's deadline may run a whole deadline from its start."""
+    jobs = Jobs()
+    a = held(1, deadline=10.0)
+    jobs.add([a])
+    assert jobs.start([a], now=9.5, run_seconds=1.0) == [a]
+    assert jobs.overdue(10.0) == ([], [])
+    assert jobs.overdue(10.5) == ([], [a])
 
 
 def test_a_late_result_of_an_abandoned_attempt_is_not_settled() -> None:
     jobs = Jobs()
     a = held(1, deadline=1.0)
     jobs.add([a])
-    assert jobs.start([a], now=0.0) == [a]
+    assert jobs.start([a], now=0.0, run_seconds=1.0) == [a]
     cancelled: list[int] = []
     with jobs.interruptible([a], lambda: cancelled.append(1)):
         never, running = jobs.overdue(time.monotonic())
@@ -123,7 +134,7 @@ def test_a_settle_that_commits_before_the_heartbeat_answers_is_not_lost() -> Non
     jobs = Jobs(on_lost=lambda h: lost.append(h.id))
     a, b = held(1), held(2)
     jobs.add([a, b])
-    jobs.start([a, b], now=0.0)
+    jobs.start([a, b], now=0.0, run_seconds=60.0)
     beating = jobs.heartbeat_jobs()
     assert set(beating) == {a, b}
     assert jobs.hand_off(a, finished=True)  # a's settle goes (and commits) meanwhile
@@ -137,7 +148,7 @@ def test_a_batch_is_interrupted_only_when_every_job_of_it_is_cancelled() -> None
     jobs = Jobs()
     a, b = held(1), held(2)
     jobs.add([a, b])
-    jobs.start([a, b], now=0.0)
+    jobs.start([a, b], now=0.0, run_seconds=60.0)
     fired = threading.Event()
     with jobs.interruptible([a, b], fired.set):
         jobs.lose([a])
@@ -151,7 +162,7 @@ def test_oldest_unsettled_counts_from_the_hand_off() -> None:
     a = held(1)
     jobs.add([a])
     assert jobs.oldest_unsettled_seconds() == 0
-    jobs.start([a], now=0.0)
+    jobs.start([a], now=0.0, run_seconds=60.0)
     jobs.hand_off(a, finished=True)
     assert a.handed_at is not None
     assert jobs.oldest_unsettled_seconds(a.handed_at + 7) == pytest.approx(7)
@@ -166,7 +177,7 @@ def test_a_lease_no_statement_confirmed_for_a_lease_is_given_up() -> None:
         Held(held(n).job, None, float("inf"), claimed_at=claimed_at) for n in (1, 2, 3)
     )
     jobs.add([stale, renewed, settling])
-    jobs.start([stale, renewed, settling], now=0.0)
+    jobs.start([stale, renewed, settling], now=0.0, run_seconds=60.0)
     jobs.hand_off(settling, finished=True)
     jobs.confirm([renewed], claimed_at + 50)
     jobs.confirm([renewed], claimed_at + 10)  # an older heartbeat answering late: no step back
@@ -288,13 +299,15 @@ class RegistryMachine(RuleBasedStateMachine):
         return [i for i in range(len(self.all)) if i not in self.offered]
 
     @precondition(lambda self: self._unoffered())
-    @rule(data=st.data(), at=st.integers(0, 20))
-    def start(self, data: st.DataObject, at: int) -> None:
+    @rule(data=st.data(), at=st.integers(0, 20), run=st.integers(1, 20))
+    def start(self, data: st.DataObject, at: int, run: int) -> None:
         i = data.draw(st.sampled_from(self._unoffered()))
         self.offered.add(i)
-        if self.jobs.start([self.all[i]], now=float(at)):
+        deadline = self.all[i].deadline
+        if self.jobs.start([self.all[i]], now=float(at), run_seconds=float(run)):
             assert i not in self.started, "a job started twice"
-            assert self.all[i].deadline > at, "a job started past its deadline"
+            assert deadline > at, "a job started past its deadline"
+            assert self.all[i].deadline == at + run
             self.started.add(i)
 
     @precondition(lambda self: self._unoffered())

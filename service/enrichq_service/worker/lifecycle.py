@@ -104,7 +104,9 @@ class Held:
 
     job: Job
     ticket: Ticket | None
-    deadline: float  # time.monotonic() after which the attempt is abandoned
+    # time.monotonic() after which the attempt is abandoned: its claim's deadline until it
+    # starts (one not started by then is deferred, its attempt given back), then its start's
+    deadline: float
     claimed_at: float = field(default_factory=time.monotonic)
     # time.monotonic() before the last statement that (re)set the lease on the server (the
     # claim, then each heartbeat that extended it): the lease lasts at least until this
@@ -163,19 +165,23 @@ class Jobs:
             del self._held[held.claim]
         return before, held.phase
 
-    def start(self, held: Sequence[Held], now: float) -> list[Held]:
+    def start(self, held: Sequence[Held], now: float, run_seconds: float) -> list[Held]:
         """Start the jobs that may still start: claimed, and within their deadline at `now`;
-        the others never will. One whose deadline passed while it waited to start (for a
-        warehouse slot, through a database outage that kept the claim loop from seeing it
-        overdue) stays claimed, for `overdue` to defer with its attempt given back: waiting
-        is not running, and started now it would only be abandoned, its attempt spent."""
+        the others never will. A started job may run for `run_seconds` from `now` (the
+        attempt deadline bounds running, not the wait for a warehouse slot before it). One
+        whose deadline passed while it waited to start (for a slot, or through a database
+        outage that kept the claim loop from seeing it overdue) stays claimed, for `overdue`
+        to defer with its attempt given back: waiting is not running."""
+        started: list[Held] = []
         with self._lock:
-            return [
-                h
-                for h in held
-                if h.deadline > now
-                and self._apply(h, JobEvent.START) == (Phase.CLAIMED, Phase.STARTED)
-            ]
+            for h in held:
+                if h.deadline > now and self._apply(h, JobEvent.START) == (
+                    Phase.CLAIMED,
+                    Phase.STARTED,
+                ):
+                    h.deadline = now + run_seconds
+                    started.append(h)
+        return started
 
     def hand_off(self, held: Held, *, finished: bool) -> bool:
         """Move a job towards the settler (`finished`: its handler ran; else it never

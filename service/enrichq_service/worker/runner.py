@@ -209,7 +209,9 @@ class Runner:
                 for held in ready:
                     self._hand_off(held, _settlement_for(held, exc, None), finished=False)
                 return
-            started = self._jobs.start(ready, time.monotonic())
+            started = self._jobs.start(
+                ready, time.monotonic(), self._settings.attempt_deadline_seconds
+            )
             if not started:
                 self._admission.give_back(admitted)
                 return
