@@ -285,6 +285,25 @@ def test_a_frozen_lock_holder_and_a_killed_connection_cost_a_wait_never_a_crash(
     assert code == 0, (tmp_path / "w.log").read_text()
 
 
+OTHER = "other:1:x"  # another holder of the one slot
+
+
+def one_attempt_and_the_slot_taken(engine: sa.Engine) -> None:
+    """One ticket of one attempt, and the cap's one slot held by another holder (until
+    the test deletes its row)."""
+    seeded(engine, 1)
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE enrichq.queue SET max_attempts = 1"))
+        conn.execute(
+            sa.text(
+                "INSERT INTO enrichq.lookups_in_flight"
+                " (token, owner, reserved_bytes, started_at, expires_at)"
+                " VALUES (gen_random_uuid(), :o, 0, now(), now() + interval '5 min')"
+            ),
+            {"o": OTHER},
+        )
+
+
 def test_a_job_waiting_for_a_slot_past_its_deadline_is_deferred_with_its_attempt(
     db_url: str, db_engine: sa.Engine, tmp_path: Path
 ) -> None:
@@ -292,16 +311,7 @@ def test_a_job_waiting_for_a_slot_past_its_deadline_is_deferred_with_its_attempt
     2 s slot wait) and one attempt. Waiting for the slot is not running: the job is
     deferred each time with its attempt given back, and done once the slot frees (it
     counted as started, spent its one attempt waiting and was dead-lettered, 0 lookups)."""
-    seeded(db_engine, 1)
-    with db_engine.begin() as conn:
-        conn.execute(sa.text("UPDATE enrichq.queue SET max_attempts = 1"))
-        conn.execute(
-            sa.text(
-                "INSERT INTO enrichq.lookups_in_flight"
-                " (token, owner, reserved_bytes, started_at, expires_at)"
-                " VALUES (gen_random_uuid(), 'other:1:x', 0, now(), now() + interval '5 min')"
-            )
-        )
+    one_attempt_and_the_slot_taken(db_engine)
     worker = spawn(
         ["worker"],
         enrichq_env(
@@ -320,7 +330,7 @@ def test_a_job_waiting_for_a_slot_past_its_deadline_is_deferred_with_its_attempt
         assert q(db_engine, "SELECT count(*) FROM enrichq.queue WHERE state = 'dead_letter'") == [
             (0,)
         ]
-        execute(db_engine, "DELETE FROM enrichq.lookups_in_flight WHERE owner = 'other:1:x'")
+        execute(db_engine, "DELETE FROM enrichq.lookups_in_flight WHERE owner = :o", o=OTHER)
         wait_for(
             lambda: q(db_engine, "SELECT state, attempts FROM enrichq.queue") == [("done", 1)],
             timeout=30,
@@ -341,16 +351,7 @@ def test_an_attempt_admitted_late_still_has_its_whole_deadline_to_run(
     the call was abandoned 0.5 s in, 'attempt deadline of 1 s exceeded', and the ticket
     dead-lettered; the fault harness's seed 10007 dead-lettered a ticket so, with the
     deadline in place of its own error.)"""
-    seeded(db_engine, 1)
-    with db_engine.begin() as conn:
-        conn.execute(sa.text("UPDATE enrichq.queue SET max_attempts = 1"))
-        conn.execute(
-            sa.text(
-                "INSERT INTO enrichq.lookups_in_flight"
-                " (token, owner, reserved_bytes, started_at, expires_at)"
-                " VALUES (gen_random_uuid(), 'other:1:x', 0, now(), now() + interval '5 min')"
-            )
-        )
+    one_attempt_and_the_slot_taken(db_engine)
     worker = spawn(
         ["worker"],
         enrichq_env(
@@ -371,7 +372,7 @@ def test_an_attempt_admitted_late_still_has_its_whole_deadline_to_run(
             what="the claim",
         )
         time.sleep(0.5)
-        execute(db_engine, "DELETE FROM enrichq.lookups_in_flight WHERE owner = 'other:1:x'")
+        execute(db_engine, "DELETE FROM enrichq.lookups_in_flight WHERE owner = :o", o=OTHER)
         wait_for(
             lambda: q(db_engine, "SELECT state FROM enrichq.queue") != [("leased",)],
             timeout=30,
