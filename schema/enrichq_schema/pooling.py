@@ -3,9 +3,10 @@ pooling), and how long a connection may wait for the server."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, TypeVar
 
 import psycopg
@@ -17,7 +18,14 @@ from sqlalchemy.engine import ExecutionContext
 from enrichq_schema.queries import load
 from enrichq_schema.states import PoolMode
 
-__all__ = ["BoundedConnection", "NoReply", "PoolMode", "install", "network_params"]
+__all__ = [
+    "BoundedConnection",
+    "NoReply",
+    "PoolMode",
+    "install",
+    "longer_replies",
+    "network_params",
+]
 
 RV = TypeVar("RV")
 
@@ -90,6 +98,23 @@ class BoundedConnection(psycopg.Connection[Any]):
             raise NoReply(
                 f"no reply from the database within {bound:g} s; connection closed"
             ) from None
+
+
+@contextlib.contextmanager
+def longer_replies(conn: sa.Connection, seconds: float) -> Iterator[None]:
+    """Within the block, `conn` waits `seconds` longer for each reply than its engine's
+    bound: for a statement that sets itself a statement timeout that much longer than the
+    engine's (a connection without a bound is left as it is)."""
+    dbapi_connection = conn.connection.dbapi_connection
+    bound = getattr(dbapi_connection, "reply_timeout", None)
+    if not isinstance(dbapi_connection, BoundedConnection) or bound is None:
+        yield
+        return
+    dbapi_connection.reply_timeout = bound + seconds
+    try:
+        yield
+    finally:
+        dbapi_connection.reply_timeout = bound
 
 
 def install(

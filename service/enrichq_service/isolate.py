@@ -22,6 +22,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from enrichq_schema.connections import warehouse_engine
+from enrichq_schema.pooling import longer_replies
 from enrichq_schema.settings import Settings
 from enrichq_schema.states import LEASE_EXPIRED_ERROR
 from enrichq_service.enrich import (
@@ -234,8 +235,9 @@ def _end_sessions(warehouse: sa.Engine, name: str) -> None:
     if warehouse.dialect.name != "postgresql":
         return
     try:
-        with warehouse.connect() as conn:
+        with warehouse.connect() as conn, longer_replies(conn, END_SESSIONS_SECONDS + 1):
             # its wait, not the attempt deadline the worker's warehouse sessions run under
+            # (nor the client's bound on a reply, which that deadline sets)
             conn.execute(
                 SQL("enrich_statement_timeout"),
                 {"timeout_ms": str(int((END_SESSIONS_SECONDS + 1) * 1000))},

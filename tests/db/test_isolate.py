@@ -417,14 +417,16 @@ def test_an_isolated_child_does_not_outlive_its_worker_killed_by_sigkill(
             os.killpg(worker.pid, signal.SIGKILL)
 
 
+@pytest.mark.parametrize("network_timeout", [10, 1])
 def test_a_dead_childs_sessions_are_waited_for_past_the_attempt_deadline(
-    db_url: str, db_engine: sa.Engine
+    db_url: str, db_engine: sa.Engine, network_timeout: int
 ) -> None:
     """The worker's warehouse sessions run under a statement timeout of the attempt
     deadline (1 s here). Ending a dead child's session waits for it to be gone (up to
     END_SESSIONS_SECONDS), and a backend slow to go (here stopped, let go after 2.5 s)
     must not cut that wait short at the deadline: the slot would be released while the
-    child's query still ran."""
+    child's query still ran. Nor may the client's own bound on a reply (the statement
+    timeout plus ENRICHQ_NETWORK_TIMEOUT_SECONDS: 2 s with a 1 s network timeout)."""
     from enrichq_service.isolate import END_SESSIONS_SECONDS, _end_sessions
 
     name = "enrichq-isolated-slowtogo"
@@ -433,7 +435,9 @@ def test_a_dead_childs_sessions_are_waited_for_past_the_attempt_deadline(
         connect_args={"application_name": name},
         poolclass=sa.pool.NullPool,
     )
-    settings = make_settings(db_url, attempt_deadline_seconds=1)
+    settings = make_settings(
+        db_url, attempt_deadline_seconds=1, network_timeout_seconds=network_timeout
+    )
     engine = warehouse_engine(settings, db_url, statement_timeout_seconds=1)
     conn = child.connect()
     try:
