@@ -31,7 +31,9 @@ NEVER_AUTO_PREPARE = 2**31 - 1
 # (client_connection_check_interval, PostgreSQL 14+). Without it a statement whose process
 # was killed runs on to its end: a killed worker's warehouse query beside the lookup that
 # took its slot under ENRICHQ_WAREHOUSE_MAX_CONCURRENCY, a killed operator's `cancel` page
-# to its commit. Well under the shortest lease, so the query is gone before the slot.
+# to its commit. Well under the shortest lease, so the query is gone before the slot. A
+# safeguard, not a requirement: where the server refuses it (PostgreSQL 14+ on a platform
+# without POLLRDHUP: macOS, the BSDs, Windows) sessions go on without it, with a warning.
 CLIENT_CHECK_INTERVAL_MS = 500
 
 # `enrichq migrate`: how long a revision may wait for a table lock, how many times it is
@@ -144,7 +146,13 @@ def create_engine(
         **kwargs,
     )
     if postgres:
-        install(engine, pool_mode, settings, reply_timeout_seconds=reply_timeout)
+        install(
+            engine,
+            pool_mode,
+            settings,
+            reply_timeout_seconds=reply_timeout,
+            optional=frozenset({"client_connection_check_interval"}),
+        )
     if not transaction:
         sa.event.listen(engine, "do_execute", _execute_prepared, retval=True)
     return engine

@@ -4,7 +4,9 @@ pooling), and how long a connection may wait for the server."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+import threading
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, TypeVar
@@ -27,6 +29,7 @@ __all__ = [
     "network_params",
 ]
 
+log = logging.getLogger(__name__)
 RV = TypeVar("RV")
 
 # Keepalive probes sent before an idle connection is declared dead.
@@ -123,9 +126,15 @@ def install(
     settings: Mapping[str, str],
     *,
     reply_timeout_seconds: float | None = None,
+    optional: frozenset[str] = frozenset(),
 ) -> None:
     """Make `engine`'s sessions run with `settings` (server parameters) the way `mode`
-    allows, and bound every wait for the server by `reply_timeout_seconds` (None: none)."""
+    allows, and bound every wait for the server by `reply_timeout_seconds` (None: none).
+
+    A setting named in `optional` is a safeguard the sessions can do without: where the
+    server refuses its value, the engine's first connection finds out, says so once, and
+    every session goes on without it. Any other refused setting fails the connection.
+    """
     if reply_timeout_seconds is not None:
         bound = reply_timeout_seconds
 
@@ -137,26 +146,25 @@ def install(
 
     if not settings:
         return
-    names, values = list(settings), list(settings.values())
-    compiled = _sql()("session_apply").compile(dialect=engine.dialect)
-    statement = compiled.string
-
-    def params(local: bool) -> Any:
-        return compiled.construct_params({"names": names, "values": values, "local": local})
+    local = mode is PoolMode.TRANSACTION
+    applied = _Settings(engine, dict(settings), optional, local=local)
 
     if mode is PoolMode.SESSION:
-        session_params = params(False)
 
         @sa.event.listens_for(engine, "connect")
         def _apply_once(dbapi_connection: Any, record: Any) -> None:
+            applied.check(dbapi_connection)
             with dbapi_connection.cursor() as cursor:
-                cursor.execute(statement, session_params)
+                cursor.execute(applied.statement, applied.params)
             if not dbapi_connection.autocommit:
                 dbapi_connection.commit()
 
         return
 
-    local_params = params(True)
+    @sa.event.listens_for(engine, "connect")
+    def _check(dbapi_connection: Any, record: Any) -> None:
+        applied.check(dbapi_connection)
+
     # DBAPI connections whose transaction has begun without its settings yet (weakly held:
     # a connection the pool throws away leaves by itself)
     pending: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -171,7 +179,7 @@ def install(
             pending.discard(dbapi_connection)
             if not dbapi_connection.autocommit:
                 # the same server transaction as the statement that follows
-                cursor.execute(statement, local_params)
+                cursor.execute(applied.statement, applied.params)
 
     @sa.event.listens_for(engine, "do_execute", retval=True)
     def _execute(cursor: Any, statement_: str, parameters: Any, context: ExecutionContext) -> bool:
@@ -189,6 +197,66 @@ def install(
     def _execute_no_params(cursor: Any, statement_: str, context: ExecutionContext) -> bool:
         _apply_first(cursor, context)
         return False
+
+
+class _Settings:
+    """An engine's session settings as one `session_apply` statement, less the optional
+    ones its server refused (found out on the engine's first connection)."""
+
+    def __init__(
+        self, engine: sa.Engine, settings: dict[str, str], optional: frozenset[str], *, local: bool
+    ) -> None:
+        self._compiled = _sql()("session_apply").compile(dialect=engine.dialect)
+        self.statement: str = self._compiled.string
+        self._settings = settings
+        self._untried = {name: settings[name] for name in optional if name in settings}
+        self._local = local
+        self._lock = threading.Lock()
+        self.params: Any = self._params()
+
+    def _params(self) -> Any:
+        names, values = list(self._settings), list(self._settings.values())
+        return self._compiled.construct_params(
+            {"names": names, "values": values, "local": self._local}
+        )
+
+    def check(self, dbapi_connection: Any) -> None:
+        """Try each optional setting not tried yet in a transaction of its own, rolled back;
+        leave out those the server refuses."""
+        if not self._untried:
+            return
+        with self._lock:
+            for name, value in list(self._untried.items()):
+                try:
+                    with dbapi_connection.cursor() as cursor:
+                        cursor.execute(
+                            self.statement,
+                            self._compiled.construct_params(
+                                {"names": [name], "values": [value], "local": True}
+                            ),
+                        )
+                except psycopg.DatabaseError as exc:
+                    if not _refused(exc):
+                        raise
+                    del self._settings[name]
+                    log.warning(
+                        "the database refuses %s = %s, so enrichq's sessions run without it: %s",
+                        name,
+                        value,
+                        str(exc).splitlines()[0],
+                    )
+                finally:
+                    if not dbapi_connection.autocommit:
+                        dbapi_connection.rollback()
+                del self._untried[name]
+            self.params = self._params()
+
+
+def _refused(exc: psycopg.DatabaseError) -> bool:
+    """Is `exc` the server refusing a setting's value (not a lost connection, say)?"""
+    return isinstance(
+        exc, psycopg.errors.InvalidParameterValue | psycopg.errors.CantChangeRuntimeParam
+    )
 
 
 # How many times the pooler probe looks: under load a pooler may happen to serve both

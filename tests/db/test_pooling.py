@@ -8,6 +8,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 from tests.support.settings import make_settings
 
+from enrichq_schema import db
 from enrichq_schema.db import CLIENT_CHECK_INTERVAL_MS, create_engine
 from enrichq_schema.pooling import install, network_params, transaction_pooled
 from enrichq_schema.states import PoolMode
@@ -90,6 +91,30 @@ def test_a_parameter_the_server_does_not_know_is_left_out(db_url: str, mode: Poo
             assert conn.execute(sa.text("SHOW statement_timeout")).scalar_one() == "7s"
     finally:
         eng.dispose()
+
+
+@pytest.mark.parametrize("mode", list(PoolMode), ids=lambda m: m.value)
+def test_a_client_check_the_server_refuses_is_left_out(
+    db_url: str, mode: PoolMode, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that knows client_connection_check_interval may still refuse a non-zero
+    value (PostgreSQL 14+ on a platform without POLLRDHUP: macOS, the BSDs, Windows). The
+    check is a safeguard, not a requirement: the sessions work without it, with the other
+    settings, and the engine says once that it is off. Here the server refuses -1."""
+    monkeypatch.setattr(db, "CLIENT_CHECK_INTERVAL_MS", -1)
+    eng = create_engine(db_url, pool_size=2, pool_mode=mode, statement_timeout_seconds=7)
+    try:
+        with eng.connect() as a, eng.connect() as b:
+            for conn in (a, b):
+                with conn.begin():
+                    assert conn.execute(sa.text("SHOW statement_timeout")).scalar_one() == "7s"
+                    check = conn.execute(sa.text("SHOW client_connection_check_interval"))
+                    assert check.scalar_one() == "0"
+    finally:
+        eng.dispose()
+    refused = [r for r in caplog.records if "client_connection_check_interval" in r.getMessage()]
+    assert len(refused) == 1, [r.getMessage() for r in refused]
+    assert refused[0].levelname == "WARNING"
 
 
 def prepared(conn: sa.Connection) -> int:
