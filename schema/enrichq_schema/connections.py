@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from enrichq_schema import db
 from enrichq_schema.errors import SettingsError
 from enrichq_schema.identifiers import qualified, relation_exists
-from enrichq_schema.pooling import network_params, transaction_pooled
+from enrichq_schema.pooling import WITHOUT_SETTINGS, network_params, transaction_pooled
 from enrichq_schema.settings import Settings
 from enrichq_schema.states import PoolMode
 
@@ -119,7 +119,7 @@ def _probe(settings: Settings, url: str, *, mirror: bool = False) -> tuple[str |
         network_timeout_seconds=settings.network_timeout_seconds or None,
         # in autocommit nothing is set on the server; this bounds the replies' wait
         statement_timeout_seconds=settings.statement_timeout_seconds,
-    )
+    ).execution_options(**{WITHOUT_SETTINGS: True})
     try:
         evidence = transaction_pooled(engine)
         if not mirror:

@@ -21,6 +21,7 @@ from enrichq_schema.queries import load
 from enrichq_schema.states import PoolMode
 
 __all__ = [
+    "WITHOUT_SETTINGS",
     "BoundedConnection",
     "NoReply",
     "PoolMode",
@@ -36,6 +37,9 @@ RV = TypeVar("RV")
 KEEPALIVE_PROBES = 3
 # libpq treats a connect_timeout under 2 s as 2 s.
 CONNECT_TIMEOUT_MIN_SECONDS = 2
+# An execution option: this statement runs in autocommit without the engine's settings on
+# purpose (it bounds itself), so transaction mode has nothing to warn about.
+WITHOUT_SETTINGS = "enrichq_without_settings"
 # How often a wait wakes up to let Python handle signals (psycopg's own default).
 WAIT_INTERVAL_SECONDS = 0.1
 
@@ -180,6 +184,11 @@ def install(
             if not dbapi_connection.autocommit:
                 # the same server transaction as the statement that follows
                 cursor.execute(applied.statement, applied.params)
+        elif dbapi_connection.autocommit and not context.execution_options.get(WITHOUT_SETTINGS):
+            # each statement is a transaction of its own, and a setting made in one is gone
+            # before the next: it runs with the server's defaults (a plug-in's own query on
+            # a connection it set to AUTOCOMMIT, say: no statement timeout of the deadline)
+            applied.autocommit_seen()
 
     @sa.event.listens_for(engine, "do_execute", retval=True)
     def _execute(cursor: Any, statement_: str, parameters: Any, context: ExecutionContext) -> bool:
@@ -212,6 +221,8 @@ class _Settings:
         self._untried = {name: settings[name] for name in optional if name in settings}
         self._local = local
         self._lock = threading.Lock()
+        self._autocommit_said = False
+        self._checked = False
         self.params: Any = self._params()
 
     def _params(self) -> Any:
@@ -220,9 +231,22 @@ class _Settings:
             {"names": names, "values": values, "local": self._local}
         )
 
+    def autocommit_seen(self) -> None:
+        """Say once that a statement of this engine ran without its settings (not the
+        dialect's own, which it runs before the first connection is handed out)."""
+        if self._autocommit_said or not self._checked:
+            return
+        self._autocommit_said = True
+        log.warning(
+            "ENRICHQ_POOL_MODE=transaction: a statement in autocommit runs without enrichq's "
+            "session settings (%s); run it in a transaction to have them",
+            ", ".join(self._settings),
+        )
+
     def check(self, dbapi_connection: Any) -> None:
         """Try each optional setting not tried yet in a transaction of its own, rolled back;
         leave out those the server refuses."""
+        self._checked = True
         if not self._untried:
             return
         with self._lock:

@@ -12,8 +12,10 @@ from prometheus_client import REGISTRY
 from tests.support.settings import make_settings
 
 from enrichq_schema.db import create_engine
+from enrichq_schema.states import PoolMode
 from enrichq_service.worker.admission import (
     ADMISSION_LOCK_SPACE,
+    ADMISSION_LOCK_WAIT_SECONDS,
     Admission,
     AdmissionRefused,
     Admitted,
@@ -166,3 +168,37 @@ def test_a_wait_for_a_cost_estimate_is_not_labelled_cap(db_url: str, db_engine: 
     assert refused.value.reason == "estimate"
     after = {r: sample("enrichq_warehouse_deferrals_total", reason=r) for r in ("cap", "estimate")}
     assert (after["cap"] - before["cap"], after["estimate"] - before["estimate"]) == (0, 1)
+
+
+@pytest.mark.parametrize("mode", list(PoolMode), ids=lambda m: m.value)
+def test_an_admission_waits_for_the_lock_no_longer_than_the_statement_timeout(
+    db_url: str, db_engine: sa.Engine, mode: PoolMode
+) -> None:
+    """A session holds the fleet's admission lock (a frozen process, an operator's psql).
+    An admission waits for it ADMISSION_LOCK_WAIT_SECONDS at most, in either pool mode, and
+    leaves nothing behind: behind a transaction pooler the statement ran in autocommit,
+    without the statement timeout a transaction gets, waited until the holder let go (6 s
+    here), and then took a slot its worker would long have given up on."""
+    assert ADMISSION_LOCK_WAIT_SECONDS < 6
+    settings = make_settings(db_url, warehouse_max_concurrency=1, pool_mode=mode)
+    engine = create_engine(db_url, pool_size=1, pool_mode=mode, statement_timeout_seconds=30)
+    token = uuid.uuid4()
+    with db_engine.connect() as holder:
+        holder.execute(sa.text("SELECT pg_advisory_lock(:s, 0)"), {"s": ADMISSION_LOCK_SPACE})
+        unlock = sa.text("SELECT pg_advisory_unlock_all()")
+        let_go = threading.Timer(6, lambda: holder.execute(unlock))
+        try:
+            let_go.start()
+            with pytest.raises(sa.exc.OperationalError, match="lock timeout"):
+                Admission(engine, settings, "me:1:a")._take(token)
+        finally:
+            let_go.cancel()
+            let_go.join()
+            holder.execute(unlock)
+            engine.dispose()
+    with db_engine.connect() as conn:
+        taken = conn.execute(
+            sa.text("SELECT count(*) FROM enrichq.lookups_in_flight WHERE token = :t"),
+            {"t": token},
+        ).scalar_one()
+    assert taken == 0

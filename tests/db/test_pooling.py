@@ -117,6 +117,29 @@ def test_a_client_check_the_server_refuses_is_left_out(
     assert refused[0].levelname == "WARNING"
 
 
+def test_transaction_mode_says_an_autocommit_statement_runs_without_the_settings(
+    db_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Behind a transaction pooler a setting lives for its transaction, and a statement in
+    autocommit is a transaction of its own: it runs with the server's defaults (a plug-in's
+    own warehouse query, say, without the deadline's statement timeout). The engine says so
+    once instead of letting it pass for bounded."""
+    eng = create_engine(
+        db_url, pool_size=1, pool_mode=PoolMode.TRANSACTION, statement_timeout_seconds=7
+    )
+    try:
+        with eng.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            for _ in range(3):
+                assert conn.execute(sa.text("SHOW statement_timeout")).scalar_one() == "0"
+        with eng.connect() as conn, conn.begin():
+            assert conn.execute(sa.text("SHOW statement_timeout")).scalar_one() == "7s"
+    finally:
+        eng.dispose()
+    said = [r for r in caplog.records if "autocommit" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]
+    assert "statement_timeout" in said[0].getMessage()
+
+
 def prepared(conn: sa.Connection) -> int:
     return int(conn.execute(sa.text("SELECT count(*) FROM pg_prepared_statements")).scalar_one())
 

@@ -140,7 +140,9 @@ SELECT (SELECT count(*) FROM logged) AS logged,
 -- the fleet's admission lock (:lock_space) on the server: run outside a transaction, no
 -- lock outlives it. Returns why it was refused ('cap', 'budget' or NULL), the bytes
 -- reserved, whether that cost is known, the database time, and when the budget's day
--- resets (`enrichq.admission_take`, migration 0015, says how).
+-- resets (`enrichq.admission_take`, migration 0015, says how). It waits for the lock at
+-- most its own lock_timeout (migration 0019): behind a transaction pooler a statement
+-- outside a transaction runs without the session's statement timeout.
 SELECT t.refused, t.reserved, t.known, t.now, t.resets_at
 FROM enrichq.admission_take(
     CAST(:token AS uuid), CAST(:owner AS text), CAST(:cap AS integer), CAST(:budget AS bigint),

@@ -17,6 +17,7 @@ import sqlalchemy as sa
 import sqlalchemy.exc as sa_exc
 
 from enrichq_schema import metrics
+from enrichq_schema.pooling import WITHOUT_SETTINGS
 from enrichq_schema.settings import Settings
 from enrichq_service.enrich import SQL, error_text
 from enrichq_service.errors import Deferral, ServiceError
@@ -26,6 +27,10 @@ log = logging.getLogger(__name__)
 
 # The advisory-lock space of admissions ("enra": enrichq admission).
 ADMISSION_LOCK_SPACE = 0x656E7261
+# How long an admission waits for the fleet's admission lock before its statement fails and
+# is tried again (the lock_timeout of enrichq.admission_take, migration 0019): in either pool
+# mode, although behind a transaction pooler its statement runs without a statement timeout.
+ADMISSION_LOCK_WAIT_SECONDS = 2.0
 # How long a lookup waits for a free slot under the cap before its jobs are deferred.
 SLOT_WAIT_SECONDS = 2.0
 SLOT_POLL_SECONDS = 0.05
@@ -251,7 +256,8 @@ class Admission:
     def _take(self, token: UUID) -> sa.Row[tuple[object, ...]]:
         """One admission statement, in a transaction of its own (no lock outlives it)."""
         with self._engine.connect() as conn:
-            conn.execution_options(isolation_level="AUTOCOMMIT")
+            # the statement bounds its own wait (no statement timeout here behind a pooler)
+            conn.execution_options(isolation_level="AUTOCOMMIT", **{WITHOUT_SETTINGS: True})
             row = conn.execute(
                 SQL("admission_take"),
                 {
