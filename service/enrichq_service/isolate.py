@@ -57,6 +57,9 @@ APPLICATION_NAME = "enrichq-isolated"
 END_SESSIONS_SECONDS = 5.0
 # how often a child checks that its worker is still there
 PARENT_CHECK_SECONDS = 0.5
+# how long past its time a child may run before it ends itself: its worker stops it at its
+# time, unless the worker is frozen (then only the child can)
+CHILD_OVERRUN_SECONDS = 1.0
 # how long reading a killed child's pipe to its end may take
 REAP_SECONDS = 5.0
 # the stop signals of a process group, which a child leaves to its parent
@@ -376,13 +379,19 @@ def _answer_channel() -> int:
     return channel
 
 
-def _end_with_the_parent(parent: int) -> None:
+def _end_with_the_parent(parent: int, seconds: float | None) -> None:
     """Kill this child's process group (it leads one: `_run_child`) once its worker is
     gone, however it went (a SIGKILL to it or to its group): no one would read the answer,
-    or end the query, of a plug-in that hangs on."""
+    or end the query, of a plug-in that hangs on. Likewise once its time (`seconds`, None:
+    none) is CHILD_OVERRUN_SECONDS past: its worker stops it then, unless the worker is
+    frozen, and a plug-in's queries would run on beside the lookups its expired warehouse
+    slot lets in."""
+    end = None if seconds is None else time.monotonic() + seconds + CHILD_OVERRUN_SECONDS
 
     def watch() -> None:
         while os.getppid() == parent:
+            if end is not None and time.monotonic() >= end:
+                break
             time.sleep(PARENT_CHECK_SECONDS)
         os.killpg(os.getpgrp(), signal.SIGKILL)
 
@@ -395,9 +404,9 @@ def _child() -> int:
     _leave_stops_to_the_parent()
     channel = _answer_channel()
     request = json.loads(sys.stdin.buffer.read())
-    _end_with_the_parent(request["parent"])
-    settings = Settings.model_validate(request["settings"])
     seconds = request["seconds"]
+    _end_with_the_parent(request["parent"], seconds)
+    settings = Settings.model_validate(request["settings"])
     deadline = None if seconds is None else time.monotonic() + seconds
     # the worker's pool mode and network timeouts, as for every enrichq engine
     warehouse = warehouse_engine(

@@ -417,6 +417,41 @@ def test_an_isolated_child_does_not_outlive_its_worker_killed_by_sigkill(
             os.killpg(worker.pid, signal.SIGKILL)
 
 
+def test_an_isolated_child_of_a_frozen_worker_ends_at_its_own_deadline(
+    db_url: str, tmp_path: Path
+) -> None:
+    """A worker frozen (SIGSTOP, a paused VM) while its isolated child runs cannot stop the
+    child at the attempt's deadline, and its warehouse slot expires a lease later: a
+    plug-in that runs query after query (each within the statement timeout) would go on
+    beside the next lookup for as long as the freeze lasts. The child ends itself once its
+    time (here 2 s) and CHILD_OVERRUN_SECONDS are past."""
+    from enrichq_service.isolate import CHILD_OVERRUN_SECONDS
+
+    env = {
+        **os.environ,
+        "ENRICHQ_TEST_STARTED_DIR": str(tmp_path),
+        "ENRICHQ_TEST_SLOW_SECONDS": "600",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+    }
+    parent = PARENT.replace("time.monotonic() + 600", "time.monotonic() + 2")
+    worker = subprocess.Popen([sys.executable, "-c", parent, db_url], env=env, process_group=0)
+    try:
+        marks = wait_for(lambda: list(tmp_path.glob("H-1.*")), timeout=60, what="the child")
+        child = int(marks[0].read_text())
+        os.kill(worker.pid, signal.SIGSTOP)
+        # its time runs from before the mark: 2 s, the overrun, and the watch's period
+        wait_for(
+            lambda: not alive(child),
+            timeout=2 + CHILD_OVERRUN_SECONDS + 2,
+            what="the frozen worker's child to end itself",
+        )
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(worker.pid, signal.SIGKILL)
+            os.kill(worker.pid, signal.SIGCONT)
+        worker.wait(10)
+
+
 @pytest.mark.parametrize("network_timeout", [10, 1])
 def test_a_dead_childs_sessions_are_waited_for_past_the_attempt_deadline(
     db_url: str, db_engine: sa.Engine, network_timeout: int
