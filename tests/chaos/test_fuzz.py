@@ -59,3 +59,29 @@ def test_the_report_puts_the_harness_section_in_and_replaces_it() -> None:
     assert "draws 1" not in twice
     assert twice.count(FUZZ_HEADING) == 1
     assert twice.endswith("## How long a blackholed connection hangs\n\nrows\n")
+
+
+def test_the_cap_check_excuses_only_what_a_freeze_leaves_running() -> None:
+    """The harness's cap oracle (cap 1, a 2 s deadline, a worker frozen at t=100): a query
+    that began before the freeze may run beside the next lookup until the deadline (and the
+    child's overrun) has passed; one that began during the freeze, or any seen past that
+    reach, is a violation; an isolated child's within the reach is not."""
+    from types import SimpleNamespace
+
+    from tests.chaos.fuzz import _check_cap
+
+    d = SimpleNamespace(cap=1, deadline_seconds=2.0)
+    h = SimpleNamespace(frozen=[(100.0, 101.0)], cut_off=[])
+
+    def check(seen: float, *began: tuple[str, float]) -> list[str]:
+        running = [(i, app, "SELECT", seen - start) for i, (app, start) in enumerate(began)]
+        return _check_cap(d, h, SimpleNamespace(over=[(seen, running)]))  # type: ignore[arg-type]
+
+    worker, child = "enrichq-warehouse", "enrichq-isolated-abc"
+    assert check(101.5, (worker, 99.0), (worker, 101.2)) == []
+    assert check(101.5, (worker, 100.8), (worker, 101.2)) != []  # began during the freeze
+    assert check(101.5, (child, 100.8), (worker, 101.2)) == []
+    assert check(110.0, (worker, 99.0), (worker, 109.0)) != []  # long past the deadline
+    assert check(101.5, (worker, 101.0), (worker, 101.2), (worker, 99.0)) != []
+    h.frozen, h.cut_off = [], [(100.0, 101.0)]  # a partition is alike
+    assert check(101.5, (worker, 99.0), (worker, 101.2)) == []
