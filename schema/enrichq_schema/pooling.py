@@ -179,16 +179,17 @@ def install(
 
     def _apply_first(cursor: Any, context: ExecutionContext) -> None:
         dbapi_connection = cursor.connection
-        if dbapi_connection in pending:
-            pending.discard(dbapi_connection)
-            if not dbapi_connection.autocommit:
-                # the same server transaction as the statement that follows
-                cursor.execute(applied.statement, applied.params)
-        elif dbapi_connection.autocommit and not context.execution_options.get(WITHOUT_SETTINGS):
+        first = dbapi_connection in pending
+        pending.discard(dbapi_connection)
+        if dbapi_connection.autocommit:
             # each statement is a transaction of its own, and a setting made in one is gone
             # before the next: it runs with the server's defaults (a plug-in's own query on
             # a connection it set to AUTOCOMMIT, say: no statement timeout of the deadline)
-            applied.autocommit_seen()
+            if not context.execution_options.get(WITHOUT_SETTINGS):
+                applied.autocommit_seen()
+        elif first:
+            # the same server transaction as the statement that follows
+            cursor.execute(applied.statement, applied.params)
 
     @sa.event.listens_for(engine, "do_execute", retval=True)
     def _execute(cursor: Any, statement_: str, parameters: Any, context: ExecutionContext) -> bool:

@@ -128,9 +128,14 @@ def test_transaction_mode_says_an_autocommit_statement_runs_without_the_settings
         db_url, pool_size=1, pool_mode=PoolMode.TRANSACTION, statement_timeout_seconds=7
     )
     try:
-        with eng.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            for _ in range(3):
-                assert conn.execute(sa.text("SHOW statement_timeout")).scalar_one() == "0"
+        # one statement a connection (a begin each), then several on one
+        for statements in (1, 1, 3):
+            with eng.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                for _ in range(statements):
+                    assert conn.execute(sa.text("SHOW statement_timeout")).scalar_one() == "0"
+            if statements == 1:
+                said = [r for r in caplog.records if "autocommit" in r.getMessage()]
+                assert said, "the first statement of a connection went unmentioned"
         with eng.connect() as conn, conn.begin():
             assert conn.execute(sa.text("SHOW statement_timeout")).scalar_one() == "7s"
     finally:
