@@ -53,8 +53,10 @@ STOPPED_ISOLATED = "while isolated"
 MIN_CHILD_SECONDS = 1.0
 # what every isolated child's warehouse sessions are named after (and a suffix of its own)
 APPLICATION_NAME = "enrichq-isolated"
-# how long ending a dead child's warehouse sessions may wait for them to be gone
+# how long ending a dead child's warehouse sessions may wait for each to be gone
 END_SESSIONS_SECONDS = 5.0
+# the most warehouse sessions a child has (its engine: a pool of 1, as many overflowing)
+CHILD_SESSIONS = 2
 # how often a child checks that its worker is still there
 PARENT_CHECK_SECONDS = 0.5
 # how long past its time a child may run before it ends itself: its worker stops it at its
@@ -136,6 +138,7 @@ def _run_child(context: EnrichContext, tickets: Sequence[Ticket]) -> Outcomes:
         "warehouse_url": context.warehouse.url.render_as_string(hide_password=False),
         "application_name": name,
         "seconds": timeout,
+        "ends_by": None if timeout is None else time.monotonic() + timeout + CHILD_OVERRUN_SECONDS,
         "tickets": [_ticket_json(t) for t in tickets],
         "parent": os.getpid(),
     }
@@ -238,12 +241,14 @@ def _end_sessions(warehouse: sa.Engine, name: str) -> None:
     if warehouse.dialect.name != "postgresql":
         return
     try:
-        with warehouse.connect() as conn, longer_replies(conn, END_SESSIONS_SECONDS + 1):
+        # each session is waited for in turn
+        wait = END_SESSIONS_SECONDS * CHILD_SESSIONS + 1
+        with warehouse.connect() as conn, longer_replies(conn, wait):
             # its wait, not the attempt deadline the worker's warehouse sessions run under
             # (nor the client's bound on a reply, which that deadline sets)
             conn.execute(
                 SQL("enrich_statement_timeout"),
-                {"timeout_ms": str(int((END_SESSIONS_SECONDS + 1) * 1000))},
+                {"timeout_ms": str(int(wait * 1000))},
             )
             ended = conn.execute(
                 SQL("isolate_end_child_sessions"),
@@ -379,20 +384,20 @@ def _answer_channel() -> int:
     return channel
 
 
-def _end_with_the_parent(parent: int, seconds: float | None) -> None:
+def _end_with_the_parent(parent: int, ends_by: float | None) -> None:
     """Kill this child's process group (it leads one: `_run_child`) once its worker is
     gone, however it went (a SIGKILL to it or to its group): no one would read the answer,
-    or end the query, of a plug-in that hangs on. Likewise once its time (`seconds`, None:
-    none) is CHILD_OVERRUN_SECONDS past: its worker stops it then, unless the worker is
-    frozen, and a plug-in's queries would run on beside the lookups its expired warehouse
-    slot lets in."""
-    end = None if seconds is None else time.monotonic() + seconds + CHILD_OVERRUN_SECONDS
+    or end the query, of a plug-in that hangs on. Likewise at `ends_by` (time.monotonic(),
+    the same clock in every process of the host; None: never), CHILD_OVERRUN_SECONDS past
+    the time its worker gave it: the worker stops it then, unless the worker is frozen,
+    and a plug-in's queries would run on beside the lookups its expired slot lets in."""
 
     def watch() -> None:
         while os.getppid() == parent:
-            if end is not None and time.monotonic() >= end:
+            left = PARENT_CHECK_SECONDS if ends_by is None else ends_by - time.monotonic()
+            if left <= 0:
                 break
-            time.sleep(PARENT_CHECK_SECONDS)
+            time.sleep(min(PARENT_CHECK_SECONDS, left))
         os.killpg(os.getpgrp(), signal.SIGKILL)
 
     if os.getpgrp() == os.getpid():
@@ -405,7 +410,7 @@ def _child() -> int:
     channel = _answer_channel()
     request = json.loads(sys.stdin.buffer.read())
     seconds = request["seconds"]
-    _end_with_the_parent(request["parent"], seconds)
+    _end_with_the_parent(request["parent"], request["ends_by"])
     settings = Settings.model_validate(request["settings"])
     deadline = None if seconds is None else time.monotonic() + seconds
     # the worker's pool mode and network timeouts, as for every enrichq engine
@@ -413,7 +418,7 @@ def _child() -> int:
         settings,
         request["warehouse_url"],
         application_name=request["application_name"],
-        pool_size=1,
+        pool_size=CHILD_SESSIONS // 2,
         statement_timeout_seconds=seconds,  # none of its queries outlives the child's time
     )
     try:
