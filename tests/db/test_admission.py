@@ -202,3 +202,13 @@ def test_an_admission_waits_for_the_lock_no_longer_than_the_statement_timeout(
             {"t": token},
         ).scalar_one()
     assert taken == 0
+
+
+def test_the_admission_function_carries_its_lock_wait(db_engine: sa.Engine) -> None:
+    """The bound lives in enrichq.admission_take's definition (migration 0019), which a later
+    revision that replaces the function would drop unless it sets it again."""
+    with db_engine.connect() as conn:
+        config = conn.execute(
+            sa.text("SELECT proconfig FROM pg_proc WHERE oid = 'enrichq.admission_take'::regproc")
+        ).scalar_one()
+    assert f"lock_timeout={ADMISSION_LOCK_WAIT_SECONDS:g}s" in (config or [])

@@ -7,7 +7,10 @@ statement in autocommit runs with none of the session settings (they are set per
 transaction), so an admission waited for as long as another session held the lock, and
 then took a slot its worker had long given up on. The function now bounds the wait
 itself (`lock_timeout` in its definition, as long as a lookup waits for a slot, 2 s): past
-it the statement fails, changes nothing, and the worker tries again with backoff.
+it the statement fails, changes nothing, and the worker tries again with backoff. (The
+bound is per lock wait: the statement's DELETE of expired slots may wait as long again.)
+A later revision that replaces the function (CREATE OR REPLACE drops its settings) must
+set it again; tests/db/test_admission.py checks that it is there.
 
 Revision ID: 0019
 Revises: 0018
