@@ -63,7 +63,7 @@ import sqlalchemy as sa
 
 from enrichq_schema.db import CLIENT_CHECK_INTERVAL_MS, create_engine
 from enrichq_schema.states import LEASE_EXPIRED_ERROR
-from enrichq_service.isolate import APPLICATION_NAME, CHILD_OVERRUN_SECONDS
+from enrichq_service.isolate import CHILD_OVERRUN_SECONDS, MIN_CHILD_SECONDS
 from enrichq_service.worker.runtime import DEADLINE_EXCEEDED
 from tests.chaos.scenarios import AUDIT
 from tests.support.behaviours import BEHAVIOURS, EXIT_CODE, UNASKED_BYTES
@@ -294,8 +294,19 @@ class Observer:
         # every sample of more queries than the cap: (time.monotonic(), the queries)
         self.over: list[tuple[float, list[tuple[Any, ...]]]] = []
         self.samples = 0
+        self._lineages: dict[tuple[int, int], tuple[int, ...]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cap-observer", daemon=True)
+
+    def _lineage(self, backend: int, port: int | None) -> tuple[int, ...]:
+        """The process whose connection a backend serves, then its parent and theirs: a
+        query is told a frozen worker's by its worker's pid in there (an isolated child's
+        too). Empty when it cannot be told (a connection through the harness's proxy
+        belongs to the harness)."""
+        key = (backend, port or 0)
+        if key not in self._lineages:
+            self._lineages[key] = _lineage_of_port(port) if port else ()
+        return self._lineages[key]
 
     def _run(self) -> None:
         while not self._stop.wait(0.01):
@@ -305,7 +316,8 @@ class Observer:
                         running = conn.execute(
                             sa.text(
                                 "SELECT pid, application_name, left(query, 40),"
-                                " round(extract(epoch FROM now() - query_start)::numeric, 2)"
+                                " round(extract(epoch FROM now() - query_start)::numeric, 2),"
+                                " client_port"
                                 " FROM pg_stat_activity"
                                 " WHERE datname = current_database() AND state = 'active'"
                                 " AND (application_name = 'enrichq-warehouse'"
@@ -317,7 +329,9 @@ class Observer:
                         seen = time.monotonic()
                         conn.rollback()  # a new snapshot of pg_stat_activity each time
                         if self.cap and len(running) > self.cap:
-                            self.over.append((seen, [tuple(r) for r in running]))
+                            self.over.append(
+                                (seen, [(*r[:4], self._lineage(r[0], r[4])) for r in running])
+                            )
                         self.samples += 1
             except sa.exc.SQLAlchemyError:
                 continue  # the database restarts: sample again when it is back
@@ -330,6 +344,34 @@ class Observer:
         self._stop.set()
         self._thread.join(10)
         self.engine.dispose()
+
+
+def _lineage_of_port(port: int) -> tuple[int, ...]:
+    """The pids, child first, of the process holding the local TCP socket of `port` on this
+    host and of its ancestors (Linux /proc); empty if none is found."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in list(f)[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(f"socket:[{fields[9]}]")
+    owner = None
+    for proc in Path("/proc").iterdir():
+        if owner is not None or not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                owner = int(proc.name)
+    lineage: list[int] = []
+    while owner and owner > 1 and len(lineage) < 8:
+        lineage.append(owner)
+        try:
+            stat = Path(f"/proc/{owner}/stat").read_text()
+        except OSError:
+            break
+        owner = int(stat.rsplit(")", 1)[1].split()[1])
+    return tuple(lineage)
 
 
 class Harness:
@@ -345,7 +387,8 @@ class Harness:
         self.rng = rng
         self.procs: list[Proc] = []
         self.down: list[tuple[float, float]] = []  # windows the database was unreachable
-        self.frozen: list[tuple[float, float]] = []  # windows a worker was SIGSTOPped
+        # windows a worker was SIGSTOPped: (from, to, its pid)
+        self.frozen: list[tuple[float, float, int]] = []
         self.cut_off: list[tuple[float, float]] = []  # windows the fleet was blackholed
         self.faults = 0
         self.server: Any = None  # the private server, when the draw restarts it
@@ -449,7 +492,7 @@ class Harness:
             os.kill(victim.popen.pid, signal.SIGSTOP)
             time.sleep(rng.uniform(0.5, 2 * self.d.lease_seconds))
             os.kill(victim.popen.pid, signal.SIGCONT)
-            self.frozen.append((began, time.monotonic()))
+            self.frozen.append((began, time.monotonic(), victim.popen.pid))
         elif kind in ("sigterm", "sigterm_group"):
             victim = rng.choice(workers)
             if kind == "sigterm":
@@ -688,37 +731,43 @@ def check_draw(
 
 
 def _check_cap(d: Draw, h: Harness, observer: Observer) -> list[str]:
-    """Never more warehouse queries at once than the cap, but for those of a worker frozen
-    (SIGSTOP) or cut off from the database (the proxy's blackhole): its slot expires a lease
+    """Never more warehouse queries at once than the cap, but for those a freeze (SIGSTOP)
+    or a partition (the proxy's blackhole) leaves running: a worker's slot expires a lease
     after its last heartbeat while its query runs on until its statement timeout ends it
-    (the attempt deadline, the limit docs/operations.md gives), or, in an isolated child
-    (which a freeze does not stop), until the child ends itself CHILD_OVERRUN_SECONDS later
-    and the server notices (the client check). So within that reach of a window's start
-    a query is excused if it began before the window (nothing of a frozen or cut-off
-    worker begins during it) or is an isolated child's. A killed worker's query ends with
-    it (the server checks its client, `db.CLIENT_CHECK_INTERVAL_MS`)."""
+    (the attempt deadline: docs/operations.md), or, in an isolated child (which a freeze
+    does not stop), until the child ends itself CHILD_OVERRUN_SECONDS later (its time is at
+    least MIN_CHILD_SECONDS) and the server notices (the client check). So within that
+    reach of a window's start, a query is excused if it is the frozen worker's or its
+    child's (told by the process that holds its connection), or, in a partition, or where
+    the process cannot be told (a connection through the proxy), if it began before the
+    window. A killed worker's query ends with it (`db.CLIENT_CHECK_INTERVAL_MS`)."""
     reach = (
-        d.deadline_seconds
+        max(d.deadline_seconds, MIN_CHILD_SECONDS)
         + CHILD_OVERRUN_SECONDS
         + CLIENT_CHECK_INTERVAL_MS / 1000
         + OBSERVER_SLACK_SECONDS
     )
+
+    def within(began: float, seen: float) -> bool:
+        return began <= seen <= began + reach
+
+    def excusable(r: tuple[Any, ...], seen: float) -> bool:
+        started, lineage = seen - float(r[3]), r[4]
+        frozen = [(b, pid) for b, _, pid in h.frozen if within(b, seen)]
+        # begun before a partition, or before a freeze where its process is not told
+        before = [b for b, _ in h.cut_off if within(b, seen)]
+        before += [b for b, _ in frozen if not lineage]
+        return any(pid in lineage for _, pid in frozen) or any(
+            started <= b + OBSERVER_SLACK_SECONDS for b in before
+        )
+
     for seen, running in observer.over:
-        began = [b for b, _ in h.frozen + h.cut_off if b <= seen <= b + reach]
-        excused = [
-            r
-            for r in running
-            if began
-            and (
-                str(r[1]).startswith(APPLICATION_NAME)
-                or seen - float(r[3]) <= max(began) + OBSERVER_SLACK_SECONDS
-            )
-        ]
+        excused = [r for r in running if excusable(r, seen)]
         if len(running) - len(excused) > d.cap:
             return [
                 f"{len(running)} warehouse queries at once, cap {d.cap}"
                 f"{f' ({len(excused)} of a frozen or cut-off worker)' if excused else ''}:"
-                f" (pid, application, query, seconds running) {running}"
+                f" (pid, application, query, seconds running, process lineage) {running}"
             ]
     return []
 

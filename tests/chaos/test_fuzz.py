@@ -62,26 +62,34 @@ def test_the_report_puts_the_harness_section_in_and_replaces_it() -> None:
 
 
 def test_the_cap_check_excuses_only_what_a_freeze_leaves_running() -> None:
-    """The harness's cap oracle (cap 1, a 2 s deadline, a worker frozen at t=100): a query
-    that began before the freeze may run beside the next lookup until the deadline (and the
-    child's overrun) has passed; one that began during the freeze, or any seen past that
-    reach, is a violation; an isolated child's within the reach is not."""
+    """The harness's cap oracle (cap 1, a 2 s deadline, worker 7 frozen at t=100, worker 8
+    not): the frozen worker's queries, and its isolated child's, may run beside the next
+    lookup until the deadline (and the child's overrun) has passed; another worker's query
+    beyond the cap is a violation, as is anything seen past that reach. In a partition
+    (every worker cut off) a query begun before it is excused."""
     from types import SimpleNamespace
 
     from tests.chaos.fuzz import _check_cap
 
     d = SimpleNamespace(cap=1, deadline_seconds=2.0)
-    h = SimpleNamespace(frozen=[(100.0, 101.0)], cut_off=[])
+    h = SimpleNamespace(frozen=[(100.0, 101.0, 7)], cut_off=[])
 
-    def check(seen: float, *began: tuple[str, float]) -> list[str]:
-        running = [(i, app, "SELECT", seen - start) for i, (app, start) in enumerate(began)]
+    def check(seen: float, *queries: tuple[tuple[int, ...], float]) -> list[str]:
+        running = [
+            (i, "enrichq-warehouse", "SELECT", seen - began, lineage)
+            for i, (lineage, began) in enumerate(queries)
+        ]
         return _check_cap(d, h, SimpleNamespace(over=[(seen, running)]))  # type: ignore[arg-type]
 
-    worker, child = "enrichq-warehouse", "enrichq-isolated-abc"
-    assert check(101.5, (worker, 99.0), (worker, 101.2)) == []
-    assert check(101.5, (worker, 100.8), (worker, 101.2)) != []  # began during the freeze
-    assert check(101.5, (child, 100.8), (worker, 101.2)) == []
-    assert check(110.0, (worker, 99.0), (worker, 109.0)) != []  # long past the deadline
-    assert check(101.5, (worker, 101.0), (worker, 101.2), (worker, 99.0)) != []
-    h.frozen, h.cut_off = [], [(100.0, 101.0)]  # a partition is alike
-    assert check(101.5, (worker, 99.0), (worker, 101.2)) == []
+    frozen, its_child, other = (7, 1), (70, 7, 1), (8, 1)
+    assert check(101.5, (frozen, 99.0), (other, 101.2)) == []
+    assert check(101.5, (frozen, 99.0), (frozen, 99.5), (other, 101.2)) == []  # two slots
+    assert check(101.5, (its_child, 100.8), (other, 101.2)) == []
+    assert check(101.5, (other, 99.0), (other, 101.2)) != []  # not the frozen worker's
+    assert check(101.5, (frozen, 99.0), (other, 99.0), (other, 101.2)) != []
+    assert check(110.0, (frozen, 99.0), (other, 109.0)) != []  # long past the deadline
+    assert check(101.5, ((), 99.0), (other, 101.2)) == []  # not told: begun before
+    assert check(101.5, ((), 100.8), (other, 101.2)) != []
+    h.frozen, h.cut_off = [], [(100.0, 101.0)]  # a partition: everyone's, begun before
+    assert check(101.5, (other, 99.0), (other, 101.2)) == []
+    assert check(101.5, (other, 100.8), (other, 101.2)) != []
