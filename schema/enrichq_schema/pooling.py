@@ -224,13 +224,11 @@ class _Settings:
         self._lock = threading.Lock()
         self._autocommit_said = False
         self._checked = False
-        self.params: Any = self._params()
+        self.params: Any = self._params(settings, local=local)
 
-    def _params(self) -> Any:
-        names, values = list(self._settings), list(self._settings.values())
-        return self._compiled.construct_params(
-            {"names": names, "values": values, "local": self._local}
-        )
+    def _params(self, settings: Mapping[str, str], *, local: bool) -> Any:
+        names, values = list(settings), list(settings.values())
+        return self._compiled.construct_params({"names": names, "values": values, "local": local})
 
     def autocommit_seen(self) -> None:
         """Say once that a statement of this engine ran without its settings (not the
@@ -254,12 +252,7 @@ class _Settings:
             for name, value in list(self._untried.items()):
                 try:
                     with dbapi_connection.cursor() as cursor:
-                        cursor.execute(
-                            self.statement,
-                            self._compiled.construct_params(
-                                {"names": [name], "values": [value], "local": True}
-                            ),
-                        )
+                        cursor.execute(self.statement, self._params({name: value}, local=True))
                 except psycopg.DatabaseError as exc:
                     if not _refused(exc):
                         raise
@@ -274,7 +267,7 @@ class _Settings:
                     if not dbapi_connection.autocommit:
                         dbapi_connection.rollback()
                 del self._untried[name]
-            self.params = self._params()
+            self.params = self._params(self._settings, local=self._local)
 
 
 def _refused(exc: psycopg.DatabaseError) -> bool:

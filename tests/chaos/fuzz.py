@@ -357,12 +357,11 @@ def _lineage_of_port(port: int) -> tuple[int, ...]:
                 if int(fields[1].rsplit(":", 1)[1], 16) == port:
                     inodes.add(f"socket:[{fields[9]}]")
     owner = None
-    for proc in Path("/proc").iterdir():
-        if owner is not None or not proc.name.isdigit():
-            continue
+    for proc in (p for p in Path("/proc").iterdir() if p.name.isdigit()):
         with contextlib.suppress(OSError):
             if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
                 owner = int(proc.name)
+                break
     lineage: list[int] = []
     while owner and owner > 1 and len(lineage) < 8:
         lineage.append(owner)
