@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import threading
 import time
 from collections.abc import Callable
@@ -153,9 +154,26 @@ def create_engine(
             reply_timeout_seconds=reply_timeout,
             optional=frozenset({"client_connection_check_interval"}),
         )
+    if postgres:
+        sa.event.listen(engine, "connect", _binary_lists)
     if not transaction:
         sa.event.listen(engine, "do_execute", _execute_prepared, retval=True)
     return engine
+
+
+def _binary_lists(dbapi_connection: Any, record: Any) -> None:
+    """Send list parameters (the batch statements' arrays) in PostgreSQL's binary format.
+
+    psycopg's text format builds an array literal in Python, quoting each element: 1 µs a
+    text and 3 µs a timestamp, where the binary format takes 0.2 µs. A settle group of 400
+    jobs passes a few thousand elements, and the worker's Python time, not the database,
+    is what bounds its throughput (tests/bench/bench_e2e.py). The values reach the server
+    unchanged: a time without an offset is still read in the session's TimeZone (UTC), a
+    NULL element stays NULL, a value the server refuses still fails as a DataError.
+    """
+    from psycopg.types.array import ListBinaryDumper
+
+    dbapi_connection.adapters.register_dumper(list, ListBinaryDumper)
 
 
 # warehouses whose every statement is a billed job: no pre-ping before each checkout
@@ -417,7 +435,9 @@ def _columns_of(
     names = tuple(f.name for f in dataclasses.fields(cls) if f.init and f.name in columns)
     at = [columns.index(name) for name in names]
     # by position: on the claim's hot path, faster than the row's attributes or mapping
-    return names, lambda row: tuple(row[i] for i in at)
+    if len(at) == 1:
+        return names, lambda row: (row[at[0]],)
+    return names, operator.itemgetter(*at)
 
 
 def as_record(cls: type[R], row: sa.Row[Any], **values: Any) -> R:
@@ -430,3 +450,9 @@ def as_record(cls: type[R], row: sa.Row[Any], **values: Any) -> R:
     names, read = _columns_of(cls, row._fields)
     found = dict(zip(names, read(row), strict=True))
     return cls(**(found | values if values else found))
+
+
+def as_records(cls: type[R], rows: sa.Result[Any]) -> list[R]:
+    """`as_record` of every row of `rows`, their columns matched to `cls` once."""
+    names, read = _columns_of(cls, tuple(rows.keys()))
+    return [cls(**dict(zip(names, read(row), strict=True))) for row in rows]
