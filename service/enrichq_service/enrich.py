@@ -327,12 +327,18 @@ def _order(order: object, where: str) -> Order:
         raise InvalidResult(f"{where}: expected an Order, got {type(order).__name__}")
     order_id = _text(order.order_id, f"{where}.order_id", required=True)
     assert order_id is not None
-    return Order(
-        order_id,
-        _text(order.customer_id, f"{where}.customer_id", required=False),
-        _time(order.placed_at, f"{where}.placed_at"),
-        _number(order.total, f"{where}.total"),
-    )
+    customer_id = _text(order.customer_id, f"{where}.customer_id", required=False)
+    placed_at = _time(order.placed_at, f"{where}.placed_at")
+    total = _number(order.total, f"{where}.total")
+    if (
+        type(order) is Order  # a subclass's fields may not read the same twice
+        and order_id is order.order_id
+        and customer_id is order.customer_id
+        and placed_at is order.placed_at
+        and total is order.total
+    ):
+        return order  # storable as it is (the built-in lookup's orders): no copy
+    return Order(order_id, customer_id, placed_at, total)
 
 
 def _text(value: object, where: str, *, required: bool) -> str | None:
@@ -378,7 +384,8 @@ def _number(value: object, where: str) -> Decimal | None:
     try:
         # an int as it is: str() of one past 4300 digits raises ValueError
         number = value if isinstance(value, Decimal | int) else Decimal(str(value))
-        number = Decimal(number)
+        if type(number) is not Decimal:  # a Decimal is immutable: kept as it is
+            number = Decimal(number)
     except (InvalidOperation, ValueError):
         raise InvalidResult(f"{where}: not a number") from None
     if not number.is_finite() or (isinstance(value, float) and not math.isfinite(value)):
@@ -516,9 +523,9 @@ class _BatchLookup:
                     self.outcomes[ticket.id] = failed.error
                 return
             self._charge(group, job_id, billed)
-            for r in rows:
-                order = Order(_id(r.order_id), _id(r.customer_id), r.placed_at, r.total)
-                found.setdefault(str(r.email), []).append(order)
+            for email, order_id, customer_id, placed_at, total in rows:
+                order = Order(_id(order_id), _id(customer_id), placed_at, total)
+                found.setdefault(str(email), []).append(order)
         for ticket in group:
             email = ticket.requester_email
             self.outcomes[ticket.id] = tuple(found.get(email, [])) if email else ()

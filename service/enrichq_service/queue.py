@@ -20,7 +20,7 @@ from uuid import UUID
 import sqlalchemy as sa
 
 from enrichq_schema import metrics
-from enrichq_schema.db import as_record, rerun_lost_races
+from enrichq_schema.db import as_records, rerun_lost_races
 from enrichq_schema.queries import load
 from enrichq_schema.settings import PRIORITY_AGING_SECONDS_DEFAULT
 from enrichq_schema.states import (
@@ -256,18 +256,20 @@ def claim(
         return []
     kinds = list(kinds)
     refresh_heads(conn, kinds=kinds, pairs=(), aging_seconds=aging_seconds, now=now)
-    rows = conn.execute(
-        SQL("queue_claim_batch"),
-        {
-            "kinds": kinds,
-            "owner": owner,
-            "limit": limit,
-            "lease_seconds": float(lease_seconds),
-            "key_lock_space": KEY_LOCK_SPACE,
-            "now": now,
-        },
-    ).all()
-    jobs = [as_record(Job, r) for r in rows]
+    jobs = as_records(
+        Job,
+        conn.execute(
+            SQL("queue_claim_batch"),
+            {
+                "kinds": kinds,
+                "owner": owner,
+                "limit": limit,
+                "lease_seconds": float(lease_seconds),
+                "key_lock_space": KEY_LOCK_SPACE,
+                "now": now,
+            },
+        ),
+    )
     if jobs:
         # their oldest rows and their served counts moved: evaluated now, not when next due
         pairs = sorted({(j.kind, j.tenant or "") for j in jobs})
@@ -344,7 +346,7 @@ def leases_not_held(
     """The live leases of `owner` that are not among `held_ids`: what a claim whose COMMIT
     reply was lost leased to it (the claim committed; the worker never heard of it)."""
     params = {"owner": owner, "held_ids": sorted(held_ids), "now": now}
-    return [as_record(Job, r) for r in conn.execute(SQL("queue_leases_not_held"), params)]
+    return as_records(Job, conn.execute(SQL("queue_leases_not_held"), params))
 
 
 def settle(

@@ -98,6 +98,23 @@ def transition(phase: Phase, event: JobEvent) -> Phase:
     raise IllegalTransition(f"{event.value} in {phase.value}")
 
 
+class Flag:
+    """Set once, read from any thread: what a job needs of a threading.Event (nobody waits
+    on a job's flag), without the lock and condition each Event builds, one per job claimed
+    on the claim loop's path."""
+
+    __slots__ = ("_set",)
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+
 @dataclass(eq=False)
 class Held:
     """A job this process holds, from its claim until it is settled or lost."""
@@ -114,7 +131,7 @@ class Held:
     lease_confirmed_at: float | None = None
     phase: Phase = Phase.CLAIMED
     handed_at: float | None = None  # when its settlement went to the settler
-    cancelled: threading.Event = field(default_factory=threading.Event)
+    cancelled: Flag = field(default_factory=Flag)
     # set before its lookup runs in a child process (`isolate`)
     isolated: bool = False
     # called (once) when the job is abandoned or lost: interrupts a running lookup
