@@ -162,11 +162,18 @@ class Jobs:
     def __init__(self, on_lost: Callable[[Held], None] | None = None) -> None:
         self._lock = threading.Lock()
         self._held: dict[tuple[int, UUID], Held] = {}
+        self._settling = 0  # of them, handed to the settler and not settled yet
         self._on_lost = on_lost or (lambda held: None)
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._held)
+
+    def counts(self) -> tuple[int, int]:
+        """The jobs held, and how many of them wait for the settler (handed to it, their
+        handlers done or never to start)."""
+        with self._lock:
+            return len(self._held), self._settling
 
     def add(self, held: Iterable[Held]) -> None:
         with self._lock:
@@ -176,6 +183,8 @@ class Jobs:
     def _apply(self, held: Held, event: JobEvent) -> tuple[Phase, Phase]:
         before = held.phase
         held.phase = transition(before, event)
+        if (before is Phase.SETTLING) != (held.phase is Phase.SETTLING):
+            self._settling += 1 if held.phase is Phase.SETTLING else -1
         if held.phase in (Phase.SETTLING, Phase.ABANDONED) and held.handed_at is None:
             held.handed_at = time.monotonic()
         if held.phase in (Phase.SETTLED, Phase.LOST) and self._held.get(held.claim) is held:

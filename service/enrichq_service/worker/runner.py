@@ -113,15 +113,22 @@ class Runner:
 
     @property
     def max_jobs(self) -> int:
-        """Jobs this process may hold: ENRICHQ_CONCURRENCY units of `unit_size` jobs each
-        (8 per-ticket calls, or 8 batches of up to 50 tickets, by default)."""
+        """Jobs this process may run at once: ENRICHQ_CONCURRENCY units of `unit_size` jobs
+        each (8 per-ticket calls, or 8 batches of up to 200 tickets, by default)."""
         return self._settings.concurrency * self.unit_size
 
     def capacity(self) -> int:
-        """Jobs that can be claimed and started at once: free slots, and free threads."""
+        """Jobs that can be claimed and started at once: free slots, and free threads.
+
+        A job handed to the settler frees its slot for the next unit: the claim loop does
+        not wait for the settler's commit before the next lookups start. Those jobs are
+        still held (their leases kept by the heartbeat) until settled, up to `max_jobs`
+        of them: a settler that cannot get through stops the claims at twice `max_jobs`.
+        """
         with self._lock:
             idle_threads = self._threads - self._busy
-        free_slots = self.max_jobs - len(self._jobs)
+        held, settling = self._jobs.counts()
+        free_slots = min(self.max_jobs - (held - settling), 2 * self.max_jobs - held)
         return max(0, min(free_slots, idle_threads * self.unit_size))
 
     def busy(self) -> int:
