@@ -328,7 +328,7 @@ def _order(order: object, where: str) -> Order:
     order_id = _text(order.order_id, f"{where}.order_id", required=True)
     assert order_id is not None
     customer_id = _text(order.customer_id, f"{where}.customer_id", required=False)
-    placed_at = _time(order.placed_at, f"{where}.placed_at")
+    placed_at = checked_time(order.placed_at, f"{where}.placed_at")
     total = _number(order.total, f"{where}.total")
     if (
         type(order) is Order  # a subclass's fields may not read the same twice
@@ -364,7 +364,10 @@ def _surrogate(value: str) -> str | None:
     return None
 
 
-def _time(value: object, where: str) -> datetime | None:
+def checked_time(value: object, where: str) -> datetime | None:
+    """A plug-in's time as PostgreSQL will read it: one without a UTC offset (naive, or
+    whose time zone gives none) as UTC; InvalidResult for anything but a datetime, or a
+    time zone that fails."""
     if value is None:
         return None
     if not isinstance(value, datetime):

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections import Counter
 from dataclasses import replace
-from datetime import datetime, timedelta, tzinfo
+from datetime import UTC, datetime, timedelta, tzinfo
+from zoneinfo import ZoneInfo
 
 import pytest
 import sqlalchemy as sa
@@ -24,7 +26,9 @@ from tests.support.world import seeded
 
 from enrichq_service import queue
 from enrichq_service.enrich import Enrichment, Lookup, Order, Result
+from enrichq_service.errors import Deferral
 from enrichq_service.worker.lifecycle import Held, Jobs
+from enrichq_service.worker.runner import _settlement_for
 from enrichq_service.worker.settler import Settlement, Settler
 
 OWNER = "settler-test"
@@ -173,3 +177,64 @@ def test_the_settlements_of_one_lookup_are_never_split_between_groups(
     settler.run(stop, give_up)
     assert groups == [3, 3]
     assert q(db_engine, "SELECT count(*) FROM enrichq.queue WHERE state = 'done'") == [(6,)]
+
+
+class NoOffset(tzinfo):
+    """A time zone that gives no UTC offset: Python takes such a time for a naive one."""
+
+    def utcoffset(self, dt: datetime | None) -> None:
+        return None
+
+    def dst(self, dt: datetime | None) -> None:
+        return None
+
+    def tzname(self, dt: datetime | None) -> str:
+        return "none"
+
+
+NOON = datetime(2030, 1, 1, 12, tzinfo=UTC)
+
+
+@pytest.mark.parametrize(
+    "untils",
+    [
+        [NOON.replace(tzinfo=NoOffset())],
+        [NOON.replace(tzinfo=None)],
+        # beside a time with an offset, in one group (binary arrays refuse the mix)
+        [NOON.astimezone(ZoneInfo("Asia/Kolkata")), NOON.replace(tzinfo=None)],
+        [NOON.replace(tzinfo=NoOffset()), NOON, NOON.replace(tzinfo=None)],
+    ],
+    ids=["no-offset", "naive", "aware-and-naive", "all-three"],
+)
+def test_a_deferral_until_a_time_without_offset_defers_until_that_time_in_utc(
+    db_url: str, db_engine: sa.Engine, untils: list[datetime]
+) -> None:
+    keys = seeded(db_engine, len(untils))
+    with db_engine.begin() as conn:
+        claimed = queue.claim(conn, owner=OWNER, limit=len(keys), lease_seconds=60)
+    claimed.sort(key=lambda j: j.key)
+    jobs = Jobs()
+    held = [Held(job, None, deadline=float("inf")) for job in claimed]
+    jobs.add(held)
+    jobs.start(held, now=time.monotonic(), run_seconds=float("inf"))
+    settler = Settler(
+        db_engine, make_settings(db_url), OWNER, jobs, counted=lambda o, n: None, freed=lambda: None
+    )
+    group = []
+    for h, until in zip(held, untils, strict=True):
+        assert jobs.hand_off(h, finished=True)
+        group.append(_settlement_for(h, Deferral(until, "quota"), None))  # the runner's way
+    settler.put(*group)
+    stop, give_up = threading.Event(), threading.Event()
+    stop.set()
+    settler.run(stop, give_up)
+    rows = q(db_engine, "SELECT state, visible_at, attempts FROM enrichq.queue ORDER BY key")
+    # queued again until noon UTC, the attempt given back
+    assert rows == [("queued", NOON, 0)] * len(untils)
+
+
+def test_a_deferral_until_something_not_a_time_is_retried_saying_so() -> None:
+    job = queue.Job(1, "enrich", "T-1", None, "manual", {}, 1, 5, uuid.uuid4(), NOON, NOON)
+    settlement = _settlement_for(Held(job, None, float("inf")), Deferral("tomorrow", "x"), None)  # type: ignore[arg-type]
+    assert settlement.action is queue.SettleAction.RETRY
+    assert settlement.error == "InvalidResult: Deferral.until: expected a datetime, got str"

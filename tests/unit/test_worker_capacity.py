@@ -3,14 +3,14 @@ waiting for the settler, which free their slots but stay held until settled."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 
 import pytest
 import sqlalchemy as sa
 from tests.support.settings import make_settings
 from tests.unit.test_worker_lifecycle import held
 
-from enrichq_service.enrich import EnricherChoice
+from enrichq_service.enrich import EnrichContext, EnricherChoice, Enrichment, Ticket
 from enrichq_service.worker.admission import Admission
 from enrichq_service.worker.lifecycle import Held, Jobs
 from enrichq_service.worker.runner import Runner
@@ -20,7 +20,9 @@ BATCH = 50
 SLOTS = CONCURRENCY * BATCH
 
 
-def batch(tickets: object, context: object) -> dict[str, object]:
+def batch(
+    tickets: Sequence[Ticket], context: EnrichContext, /
+) -> Mapping[str, Enrichment | BaseException]:
     return {}
 
 
@@ -29,19 +31,25 @@ def jobs() -> Jobs:
     return Jobs()
 
 
-@pytest.fixture
-def runner(jobs: Jobs) -> Iterator[Runner]:
-    settings = make_settings("postgresql://nobody@127.0.0.1:1/none", concurrency=CONCURRENCY)
+def make_runner(jobs: Jobs, **settings: object) -> Runner:
+    config = make_settings(
+        "postgresql://nobody@127.0.0.1:1/none", concurrency=CONCURRENCY, **settings
+    )
     engine = sa.create_engine("postgresql+psycopg://nobody@127.0.0.1:1/none")  # never used
-    runner = Runner(
-        settings,
+    return Runner(
+        config,
         jobs,
         enricher=EnricherChoice(None, batch, BATCH),
         warehouse=engine,
-        admission=Admission(engine, settings, "test"),
+        admission=Admission(engine, config, "test"),
         settle=lambda *s: None,
         on_budget_refused=lambda: None,
     )
+
+
+@pytest.fixture
+def runner(jobs: Jobs) -> Iterator[Runner]:
+    runner = make_runner(jobs)
     yield runner
     runner.shutdown()
 
@@ -98,3 +106,22 @@ def test_settled_jobs_leave_the_count(jobs: Jobs, runner: Runner) -> None:
 def jobs_of(jobs: Jobs, first: int, n: int) -> list[Held]:
     wanted = set(range(first, first + n))
     return [h for h in jobs.unsettled() if h.id in wanted]
+
+
+@pytest.mark.parametrize(
+    "limit", [{"warehouse_max_concurrency": 1}, {"daily_bytes_budget": 10**12}], ids=str
+)
+def test_under_a_cap_or_a_budget_a_job_keeps_its_slot_until_settled(
+    jobs: Jobs, limit: dict[str, object]
+) -> None:
+    # its lookup's admission (a slot under the cap, bytes reserved) goes with its settle:
+    # a unit started in its place would wait for this very slot, and be deferred
+    runner = make_runner(jobs, **limit)
+    try:
+        hs = claimed(jobs, 0, SLOTS)
+        handed(jobs, hs)
+        assert runner.capacity() == 0
+        jobs.settled(hs[:BATCH])
+        assert runner.capacity() == BATCH
+    finally:
+        runner.shutdown()

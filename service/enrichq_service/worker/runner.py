@@ -20,11 +20,13 @@ from enrichq_service.enrich import (
     EnrichContext,
     EnricherChoice,
     Enrichment,
+    InvalidResult,
     Lookup,
     PluginAborted,
     Result,
     Surcharge,
     charge_of,
+    checked_time,
     enrich_all,
     error_text,
     split_bytes,
@@ -122,13 +124,19 @@ class Runner:
 
         A job handed to the settler frees its slot for the next unit: the claim loop does
         not wait for the settler's commit before the next lookups start. Those jobs are
-        still held (their leases kept by the heartbeat) until settled, up to `max_jobs`
-        of them: a settler that cannot get through stops the claims at twice `max_jobs`.
+        still held until settled (within their lease, which the heartbeat no longer
+        extends), up to `max_jobs` of them: a settler that cannot get through stops the
+        claims at twice `max_jobs`. Not under a warehouse cap or a budget: there a
+        lookup's admission is released by its settle, and the next unit would wait for
+        the very slot its worker still holds (and be deferred after SLOT_WAIT_SECONDS).
         """
         with self._lock:
             idle_threads = self._threads - self._busy
         held, settling = self._jobs.counts()
-        free_slots = min(self.max_jobs - (held - settling), 2 * self.max_jobs - held)
+        if self._admission.needed:
+            free_slots = self.max_jobs - held
+        else:
+            free_slots = min(self.max_jobs - (held - settling), 2 * self.max_jobs - held)
         return max(0, min(free_slots, idle_threads * self.unit_size))
 
     def busy(self) -> int:
@@ -369,7 +377,13 @@ def _settlement_for(held: Held, value: object, lookup: Lookup | None) -> Settlem
         return Settlement(held, SettleAction.COMPLETE, result=result, lookup=lookup)
     assert isinstance(value, BaseException)
     if isinstance(value, Deferral):
-        return Settlement(held, SettleAction.DEFER, until=value.until, lookup=lookup)
+        try:
+            # a time without an offset, as UTC: sent as it is, it could fail its whole
+            # settle group (the binary format refuses one beside a time with an offset)
+            until = checked_time(value.until, "Deferral.until")
+        except InvalidResult as bad:
+            return Settlement(held, SettleAction.RETRY, error=error_text(bad), lookup=lookup)
+        return Settlement(held, SettleAction.DEFER, until=until, lookup=lookup)
     error = error_text(value)
     if isinstance(value, PermanentError):
         return Settlement(held, SettleAction.FAIL, error=error, lookup=lookup)
