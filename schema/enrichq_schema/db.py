@@ -435,9 +435,9 @@ def _columns_of(
     names = tuple(f.name for f in dataclasses.fields(cls) if f.init and f.name in columns)
     at = [columns.index(name) for name in names]
     # by position: on the claim's hot path, faster than the row's attributes or mapping
-    if len(at) == 1:
-        return names, lambda row: (row[at[0]],)
-    return names, operator.itemgetter(*at)
+    if len(at) > 1:
+        return names, operator.itemgetter(*at)
+    return names, lambda row: tuple(row[i] for i in at)
 
 
 def as_record(cls: type[R], row: sa.Row[Any], **values: Any) -> R:

@@ -1,4 +1,5 @@
-"""Rows become frozen records through one helper (enrichq_schema.db.as_record)."""
+"""Rows become frozen records through one helper (enrichq_schema.db.as_record, and
+as_records for a whole result)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import sqlalchemy as sa
 
-from enrichq_schema.db import as_record
+from enrichq_schema.db import as_record, as_records
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,3 +46,16 @@ def test_a_field_without_a_default_that_nothing_gives_is_a_type_error(
 ) -> None:
     with pytest.raises(TypeError, match="key"):
         as_record(Claimed, one(conn, "SELECT 1 AS id"))
+
+
+def test_a_row_of_no_field_and_a_row_of_one_make_records(conn: sa.Connection) -> None:
+    # none: every field from the caller; one: a single column read (no tuple of one)
+    assert as_record(Claimed, one(conn, "SELECT 'x' AS other"), id=1, key="A") == Claimed(1, "A")
+    assert as_record(Claimed, one(conn, "SELECT 'T-2' AS key"), id=2) == Claimed(2, "T-2")
+
+
+def test_a_whole_result_makes_the_same_records_as_its_rows(conn: sa.Connection) -> None:
+    sql = "SELECT g AS id, 'T-' || g AS key, 'x' AS other FROM generate_series(1, 3) AS g"
+    rows = conn.execute(sa.text(sql)).all()
+    assert as_records(Claimed, conn.execute(sa.text(sql))) == [as_record(Claimed, r) for r in rows]
+    assert as_records(Claimed, conn.execute(sa.text(sql + " WHERE false"))) == []
