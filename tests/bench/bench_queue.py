@@ -17,9 +17,7 @@ Everything runs sequentially on scratch databases of ENRICHQ_TEST_DATABASE_URL's
   terminal ones, of one tenant, of 5,000 tenants, and of 5,000 tenants not visible yet
   beside one tenant's visible backlog, each with the plan made with the values and with the
   worker's generic plan, at batch 50 and at batch 1 (where a claim takes one pair's row
-  whatever the spread, so the tenants' number alone differs); and 500 queued rows of 500
-  tenants, whose claims of 50 serve 50 pairs each as those over 5,000 tenants do, so that
-  at batch 50 the number of tenants alone differs between them (`--latency-only` runs the
+  whatever the spread, so the tenants' number alone differs) (`--latency-only` runs the
   two latency parts alone);
 - a soak: a steady enqueue rate and 2 workers, per minute throughput and dead tuples.
 
@@ -457,28 +455,18 @@ class Spread:
     label: str
     tenants: int  # the queued rows are spread over this many tenants
     hidden: bool  # they are not visible yet; one tenant's visible backlog beside them
-    rows: int = 0  # queued rows (0: SPREAD_QUEUED)
 
 
 SPREADS = (
     Spread("1 tenant", 1, hidden=False),
-    # a tenth of the tenants, a row each as well: every claim of 50 serves 50 pairs, as one
-    # over 5,000 tenants does, so what the number of tenants alone costs shows beside it
-    Spread(
-        f"{LATENCY_TENANTS // 10:,} tenants",
-        LATENCY_TENANTS // 10,
-        hidden=False,
-        rows=LATENCY_TENANTS // 10,
-    ),
     Spread(f"{LATENCY_TENANTS:,} tenants", LATENCY_TENANTS, hidden=False),
     Spread(f"{LATENCY_TENANTS:,} tenants not visible yet", LATENCY_TENANTS, hidden=True),
 )
 
 
 def fill_spread(url: str, spread: Spread) -> None:
-    """SPREAD_TERMINAL done rows, then SPREAD_QUEUED queued rows (or `spread.rows`) over
-    `spread.tenants` tenants (visible now, or in 10 minutes beside one tenant's
-    SPREAD_QUEUED visible rows)."""
+    """SPREAD_TERMINAL done rows, then SPREAD_QUEUED queued rows over `spread.tenants`
+    tenants (visible now, or in 10 minutes beside one tenant's SPREAD_QUEUED visible rows)."""
     visible = "now() + interval '10 minutes'" if spread.hidden else "now() - interval '1 second'"
     statements = [
         "TRUNCATE enrichq.queue, enrichq.tenant_served RESTART IDENTITY",
@@ -491,7 +479,7 @@ def fill_spread(url: str, spread: Spread) -> None:
         "INSERT INTO enrichq.queue (kind, key, tenant, reason, visible_at, max_attempts)"
         f" SELECT 'enrich', 'S-' || g, 'spread-' || (g % {int(spread.tenants)}), 'manual',"
         f"  {visible}, 5"
-        f" FROM generate_series(1, {spread.rows or SPREAD_QUEUED}) AS g",
+        f" FROM generate_series(1, {SPREAD_QUEUED}) AS g",
     ]
     if spread.hidden:
         statements.append(
@@ -870,31 +858,24 @@ def report_spread(sizes: Sizes, by_batch: dict[int, list[list[float]]]) -> list[
         ["batch", "queued rows of", "plan", "p50", "p99", "max"],
         rows,
         note="not visible yet: visible in 10 minutes, beside one tenant's visible backlog;"
-        f" a batch over {LATENCY_TENANTS // 10:,} or {LATENCY_TENANTS:,} tenants takes one row"
-        " of each of its pairs",
+        " a batch over 5,000 tenants takes one row of each of its pairs",
     )
     targets: list[list[object]] = []
-    one, tenth = SPREADS[0].label, SPREADS[1].label
+    one = SPREADS[0].label
     for batch in by_batch:
-        # against one tenant; at batch 50 also against 500 tenants of a row each (a claim
-        # serves 50 pairs there too: only the number of tenants differs)
-        bases = (one, tenth) if batch == LATENCY_BATCH else (one,)
         for spread in SPREADS[1:]:
-            for base in bases:
-                if spread.label == base:
-                    continue
-                for plan in plans:
-                    x = ratio(p50[(batch, spread.label, plan)], p50[(batch, base, plan)])
-                    targets.append(
-                        [
-                            f"claim p50 at batch {batch}, queued rows of {spread.label}"
-                            f" ≤ {TARGET_LATENCY_RATIO}x of {base} ({plan} plan)",
-                            f"{x:.2f}x",
-                            f"{p50[(batch, spread.label, plan)]:.2f} vs"
-                            f" {p50[(batch, base, plan)]:.2f} ms",
-                            verdict(x, TARGET_LATENCY_RATIO, higher_is_better=False),
-                        ]
-                    )
+            for plan in plans:
+                x = ratio(p50[(batch, spread.label, plan)], p50[(batch, one, plan)])
+                targets.append(
+                    [
+                        f"claim p50 at batch {batch}, queued rows of {spread.label}"
+                        f" ≤ {TARGET_LATENCY_RATIO}x of {one} ({plan} plan)",
+                        f"{x:.2f}x",
+                        f"{p50[(batch, spread.label, plan)]:.2f} vs"
+                        f" {p50[(batch, one, plan)]:.2f} ms",
+                        verdict(x, TARGET_LATENCY_RATIO, higher_is_better=False),
+                    ]
+                )
     return targets
 
 
@@ -1026,12 +1007,11 @@ def run_latency(url: str, sizes: Sizes) -> tuple[list[list[float]], dict[int, li
     console.print("[bold]claim latency by tenants with queued work[/bold]")
     with (
         scratch_database("queue_bench_one") as one_url,
-        scratch_database("queue_bench_batch") as batch_url,
         scratch_database("queue_bench_spread") as spread_url,
         scratch_database("queue_bench_hidden") as hidden_url,
     ):
         spread = {
-            batch: bench_spread([one_url, batch_url, spread_url, hidden_url], sizes, batch)
+            batch: bench_spread([one_url, spread_url, hidden_url], sizes, batch)
             for batch in SPREAD_BATCHES
         }
     return latencies, spread
