@@ -48,6 +48,19 @@ class Broken(tzinfo):
         return "broken"
 
 
+def started(db_engine: sa.Engine, n: int) -> tuple[Jobs, list[Held]]:
+    """`n` seeded tickets' jobs claimed by OWNER and started, in key order."""
+    keys = seeded(db_engine, n)
+    with db_engine.begin() as conn:
+        claimed = queue.claim(conn, owner=OWNER, limit=len(keys), lease_seconds=60)
+    assert len(claimed) == len(keys)
+    jobs = Jobs()
+    held = [Held(job, None, deadline=float("inf")) for job in sorted(claimed, key=lambda j: j.key)]
+    jobs.add(held)
+    jobs.start(held, now=time.monotonic(), run_seconds=float("inf"))
+    return jobs, held
+
+
 def _culprit(settlement: Settlement, kind: str) -> Settlement:
     """`settlement` spoilt in the way `kind` names."""
     assert settlement.result is not None
@@ -71,14 +84,8 @@ def _culprit(settlement: Settlement, kind: str) -> Settlement:
 def test_one_unstorable_job_fails_alone_and_the_settler_goes_on(
     db_url: str, db_engine: sa.Engine, kind: str
 ) -> None:
-    keys = seeded(db_engine, 12)
-    with db_engine.begin() as conn:
-        claimed = queue.claim(conn, owner=OWNER, limit=len(keys), lease_seconds=60)
-    assert len(claimed) == len(keys)
-    jobs = Jobs()
-    held = [Held(job, None, deadline=float("inf")) for job in claimed]
-    jobs.add(held)
-    jobs.start(held, now=time.monotonic(), run_seconds=float("inf"))
+    jobs, held = started(db_engine, 12)
+    keys = [h.job.key for h in held]
     counts: Counter[str] = Counter()
     settler = Settler(
         db_engine,
@@ -147,13 +154,7 @@ def test_the_settlements_of_one_lookup_are_never_split_between_groups(
     from enrichq_service.worker import settler as settler_module
 
     monkeypatch.setattr(settler_module, "GROUP_SIZE", 2)
-    keys = seeded(db_engine, 6)
-    with db_engine.begin() as conn:
-        claimed = queue.claim(conn, owner=OWNER, limit=len(keys), lease_seconds=60)
-    jobs = Jobs()
-    held = [Held(job, None, deadline=float("inf")) for job in claimed]
-    jobs.add(held)
-    jobs.start(held, now=time.monotonic(), run_seconds=float("inf"))
+    jobs, held = started(db_engine, 6)
     settler = Settler(
         db_engine, make_settings(db_url), OWNER, jobs, counted=lambda o, n: None, freed=lambda: None
     )
@@ -209,14 +210,7 @@ NOON = datetime(2030, 1, 1, 12, tzinfo=UTC)
 def test_a_deferral_until_a_time_without_offset_defers_until_that_time_in_utc(
     db_url: str, db_engine: sa.Engine, untils: list[datetime]
 ) -> None:
-    keys = seeded(db_engine, len(untils))
-    with db_engine.begin() as conn:
-        claimed = queue.claim(conn, owner=OWNER, limit=len(keys), lease_seconds=60)
-    claimed.sort(key=lambda j: j.key)
-    jobs = Jobs()
-    held = [Held(job, None, deadline=float("inf")) for job in claimed]
-    jobs.add(held)
-    jobs.start(held, now=time.monotonic(), run_seconds=float("inf"))
+    jobs, held = started(db_engine, len(untils))
     settler = Settler(
         db_engine, make_settings(db_url), OWNER, jobs, counted=lambda o, n: None, freed=lambda: None
     )
