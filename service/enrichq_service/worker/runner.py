@@ -125,10 +125,11 @@ class Runner:
         A job handed to the settler frees its slot for the next unit: the claim loop does
         not wait for the settler's commit before the next lookups start. Those jobs are
         still held until settled (within their lease: the heartbeat extends a job's lease
-        only until it is handed over), up to `max_jobs` of them: a settler that cannot get
-        through stops the claims at twice `max_jobs`. Not under a warehouse cap or a budget: there a
-        lookup's admission is released by its settle, and the next unit would wait for
-        the very slot its worker still holds (and be deferred after SLOT_WAIT_SECONDS).
+        only until it is handed over), up to `max_jobs` of them: a settler that cannot
+        get through stops the claims at twice `max_jobs`. Not under a warehouse cap or a
+        budget: there a lookup's admission is released by its settle, and the next unit
+        would wait for the very slot its worker still holds (and be deferred after
+        SLOT_WAIT_SECONDS).
         """
         with self._lock:
             idle_threads = self._threads - self._busy
